@@ -1,0 +1,110 @@
+"""functional_opt: optax-style pure-functional gradient transformations for PyTorch.
+
+A transform is ``init(params) -> state`` and ``update(updates, state, params=None) ->
+(updates, state)`` over pytrees of tensors; ``apply_updates(params, updates)`` adds the updates.
+"""
+
+from functional_opt import loss_scale, schedules, tree
+from functional_opt.aliases import adam, adamw, sgd
+from functional_opt.base import (
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    identity,
+    named_chain,
+    safe_increment,
+)
+from functional_opt.checkpoint import state_from_dict, state_to_dict
+from functional_opt.dreamerv3 import dreamerv3, dreamerv3_schedule
+from functional_opt.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    join_schedules,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from functional_opt.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
+from functional_opt.transforms.clipping import (
+    adaptive_grad_clip,
+    clip,
+    clip_by_agc,
+    clip_by_global_norm,
+)
+from functional_opt.transforms.combinators import MaskedState, PartitionState, masked, partition
+from functional_opt.transforms.finite import ApplyIfFiniteState, apply_if_finite
+from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_opt.transforms.moments import (
+    EmaState,
+    ScaleByAdamState,
+    ScaleByRmsState,
+    ScaleByRmsWithCountState,
+    TraceState,
+    ema,
+    scale_by_adam,
+    scale_by_rms,
+    trace,
+)
+from functional_opt.transforms.scaling import (
+    ScaleByScheduleState,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+)
+from functional_opt.transforms.weight_decay import add_decayed_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyIfFiniteState",
+    "EmaState",
+    "EmptyState",
+    "GradientTransformation",
+    "InjectHyperparamsState",
+    "MaskedState",
+    "MultiSteps",
+    "MultiStepsState",
+    "PartitionState",
+    "ScaleByAdamState",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "adaptive_grad_clip",
+    "add_decayed_weights",
+    "apply_if_finite",
+    "apply_updates",
+    "chain",
+    "clip",
+    "clip_by_agc",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "dreamerv3",
+    "dreamerv3_schedule",
+    "ema",
+    "identity",
+    "inject_hyperparams",
+    "join_schedules",
+    "linear_schedule",
+    "loss_scale",
+    "masked",
+    "multi_steps",
+    "named_chain",
+    "partition",
+    "safe_increment",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_rms",
+    "scale_by_schedule",
+    "schedules",
+    "sgd",
+    "state_from_dict",
+    "state_to_dict",
+    "trace",
+    "tree",
+    "warmup_cosine_decay_schedule",
+]

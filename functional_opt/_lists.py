@@ -1,0 +1,186 @@
+"""Elementwise math over lists of tensors: one multi-tensor kernel per op, or one op per leaf.
+
+The fast path calls ``torch._foreach_*`` (which groups tensors by device and dtype internally).
+Tensors that ``torch._foreach_*`` cannot take (tensors wrapped by ``torch.func.vmap``/``grad``,
+tensor subclasses such as ``DTensor``) go through the plain per-tensor path, which computes the
+same formula op by op. All functions are pure: they return new tensors and never write into their
+arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+Scalar = float | Tensor
+"""A hyperparameter: a Python number or a 0-d tensor (an injected hyperparameter)."""
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def use_foreach(xs: Sequence[Tensor]) -> bool:
+    """True when ``torch._foreach_*`` can run on ``xs`` (plain tensors, no functorch wrapping)."""
+    if torch.compiler.is_compiling():
+        return True
+    return all(type(x) in (Tensor, torch.nn.Parameter) and not _is_wrapped(x) for x in xs)
+
+
+def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:
+    if isinstance(s, (list, tuple)):
+        return list(s)
+    return [s] * n  # type: ignore[list-item]
+
+
+def mul(xs: Sequence[Tensor], s: Scalar | Sequence[Scalar]) -> list[Tensor]:
+    """``x * s`` for each ``x``; ``s`` is one scalar or one per tensor."""
+    if not xs:
+        return []
+    if use_foreach(xs):
+        if isinstance(s, (list, tuple)) and s and isinstance(s[0], Tensor):
+            return list(torch._foreach_mul(list(xs), list(s)))
+        return list(torch._foreach_mul(list(xs), s))  # type: ignore[arg-type]
+    return [x * c for x, c in zip(xs, _scalars(s, len(xs)), strict=True)]
+
+
+def div(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
+    """``x / y`` elementwise."""
+    if not xs:
+        return []
+    if use_foreach(xs) and use_foreach(ys):
+        return list(torch._foreach_div(list(xs), list(ys)))
+    return [x / y for x, y in zip(xs, ys, strict=True)]
+
+
+def add(xs: Sequence[Tensor], ys: Sequence[Tensor], alpha: Scalar = 1.0) -> list[Tensor]:
+    """``x + alpha * y`` elementwise."""
+    if not xs:
+        return []
+    if isinstance(alpha, Tensor):
+        ys = mul(ys, alpha)
+        alpha = 1.0
+    if use_foreach(xs) and use_foreach(ys):
+        return list(torch._foreach_add(list(xs), list(ys), alpha=alpha))
+    return [x + alpha * y if alpha != 1.0 else x + y for x, y in zip(xs, ys, strict=True)]
+
+
+def sub(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
+    """``x - y`` elementwise."""
+    if not xs:
+        return []
+    if use_foreach(xs) and use_foreach(ys):
+        return list(torch._foreach_sub(list(xs), list(ys)))
+    return [x - y for x, y in zip(xs, ys, strict=True)]
+
+
+def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
+    """``x + s``."""
+    if not xs:
+        return []
+    if use_foreach(xs):
+        return list(torch._foreach_add(list(xs), s))
+    return [x + s for x in xs]
+
+
+def sqrt(xs: Sequence[Tensor]) -> list[Tensor]:
+    """Elementwise square root."""
+    if not xs:
+        return []
+    if use_foreach(xs):
+        return list(torch._foreach_sqrt(list(xs)))
+    return [torch.sqrt(x) for x in xs]
+
+
+def square(xs: Sequence[Tensor]) -> list[Tensor]:
+    """``x * x``."""
+    if not xs:
+        return []
+    if use_foreach(xs):
+        return list(torch._foreach_mul(list(xs), list(xs)))
+    return [x * x for x in xs]
+
+
+def clamp(xs: Sequence[Tensor], lo: Scalar, hi: Scalar) -> list[Tensor]:
+    """Clip each element into ``[lo, hi]``."""
+    if not xs:
+        return []
+    if use_foreach(xs) and not isinstance(lo, Tensor) and not isinstance(hi, Tensor):
+        return list(torch._foreach_clamp_max(torch._foreach_clamp_min(list(xs), lo), hi))
+    return [torch.clamp(x, min=lo, max=hi) for x in xs]  # type: ignore[arg-type]
+
+
+def cast(xs: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+    """Each ``x`` in the matching dtype (no copy when it already has it)."""
+    return [x if x.dtype == d else x.to(d) for x, d in zip(xs, dtypes, strict=True)]
+
+
+def like(xs: Sequence[Tensor], refs: Sequence[Tensor]) -> list[Tensor]:
+    """Each ``x`` cast to the dtype of the matching ``ref``."""
+    return cast(xs, [r.dtype for r in refs])
+
+
+def promoted(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[torch.dtype]:
+    """The promoted dtype of each pair."""
+    return [torch.promote_types(x.dtype, y.dtype) for x, y in zip(xs, ys, strict=True)]
+
+
+def moment(m: Sequence[Tensor], g: Sequence[Tensor], decay: Scalar, order: int) -> list[Tensor]:
+    """Exponential moving average ``decay * m + (1 - decay) * g**order`` in the promoted dtype
+    of ``m`` and ``g`` (callers cast the stored state back)."""
+    dtypes = promoted(m, g)
+    m, g = cast(m, dtypes), cast(g, dtypes)
+    gp = list(g) if order == 1 else square(g)
+    return add(mul(m, decay), gp, alpha=1.0 - decay)
+
+
+def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
+    """``x / s`` for one scalar ``s``."""
+    if not xs:
+        return []
+    if use_foreach(xs):
+        return list(torch._foreach_div(list(xs), s))
+    return [x / s for x in xs]
+
+
+def norms(xs: Sequence[Tensor]) -> list[Tensor]:
+    """The L2 norm of each tensor (0-d tensors), computed in at least float32."""
+    if not xs:
+        return []
+    xs = [x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in xs]
+    if use_foreach(xs):
+        return list(torch._foreach_norm(list(xs)))
+    return [torch.linalg.vector_norm(x) for x in xs]
+
+
+def stack(xs: Sequence[Tensor]) -> Tensor:
+    """Stack 0-d tensors into a vector in their promoted dtype (at least float32)."""
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return torch.stack([x.to(dtype) for x in xs])
+
+
+def global_norm(xs: Sequence[Tensor]) -> Tensor:
+    """``sqrt(sum_i ||x_i||^2)`` over all tensors (0 for an empty list)."""
+    if not xs:
+        return torch.zeros(())
+    out: Tensor = torch.linalg.vector_norm(stack(norms(xs)))
+    return out
+
+
+def all_finite(xs: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool tensor: every element of every tensor is finite."""
+    if not xs:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(x).all() for x in xs]).all()
+
+
+def where(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
+    """``x`` where the 0-d bool ``cond`` holds, else ``y`` (NaN-safe select)."""
+    return [torch.where(cond, x, y) for x, y in zip(xs, ys, strict=True)]
+
+
+def zeros_like(xs: Sequence[Tensor]) -> list[Tensor]:
+    """Fresh zeros shaped like each tensor."""
+    return [torch.zeros_like(x) for x in xs]

@@ -1,0 +1,152 @@
+"""Base types: :class:`GradientTransformation`, :class:`EmptyState`, ``chain`` and friends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from functional_opt import _lists, tree
+from functional_opt.tree import PyTree
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "InitFn",
+    "Params",
+    "Schedule",
+    "UpdateFn",
+    "Updates",
+    "apply_updates",
+    "chain",
+    "identity",
+    "named_chain",
+    "safe_increment",
+    "zero_count",
+]
+
+Params = PyTree
+Updates = PyTree
+OptState = Any
+Schedule = Callable[[Tensor], Tensor]
+"""A schedule maps an integer step-count tensor to a 0-d value tensor."""
+
+COUNT_DTYPE = torch.int32
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer piece: ``init(params) -> state`` and
+    ``update(updates, state, params=None, **extra) -> (updates, new_state)``."""
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+def zero_count() -> Tensor:
+    """A fresh step counter: a 0-d int32 tensor holding 0."""
+    return torch.zeros((), dtype=COUNT_DTYPE)
+
+
+def safe_increment(count: Tensor) -> Tensor:
+    """``count + 1``, saturating at the dtype's maximum instead of wrapping."""
+    top = torch.iinfo(count.dtype).max
+    return torch.where(count < top, count + 1, count)
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged: ``u -> u``."""
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        del params, extra
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies transforms in order, ``u -> t_n(... t_1(u))``; the state is a tuple of theirs."""
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation"
+            )
+
+    def init_fn(params: Params) -> tuple[OptState, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update_fn(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transforms got a state that is not a tuple of "
+                f"{len(transforms)} states"
+            )
+        new_states = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params, **extra)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain`, with the state a dict keyed by the given names."""
+    names = [name for name, _ in transforms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain: names must be unique, got {names}")
+    inner = chain(*(t for _, t in transforms))
+
+    def init_fn(params: Params) -> dict[str, OptState]:
+        return dict(zip(names, inner.init(params), strict=True))
+
+    def update_fn(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        if not isinstance(state, dict) or list(state) != names:
+            raise ValueError(f"named_chain expects a state dict with keys {names}")
+        updates, states = inner.update(updates, tuple(state[n] for n in names), params, **extra)
+        return updates, dict(zip(names, states, strict=True))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``p + u`` leaf by leaf, cast back to each param's dtype; a ``None`` update keeps ``p``."""
+    pvals, spec = tree.flatten(params)
+    where = tree.Leaves(pvals, spec, params)
+    uvals = where.flat(updates, "updates")
+    idx = [
+        i
+        for i, (p, u) in enumerate(zip(pvals, uvals, strict=True))
+        if p is not None and u is not None
+    ]
+    xs = [pvals[i] for i in idx]
+    new = _lists.like(_lists.add(xs, [uvals[i] for i in idx]), xs)
+    out = list(pvals)
+    for i, v in zip(idx, new, strict=True):
+        out[i] = v
+    return tree.unflatten(spec, out)

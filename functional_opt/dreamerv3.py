@@ -1,0 +1,120 @@
+"""The DreamerV3 optimizer (Hafner et al. 2023, arXiv:2301.04104), as a chain of transforms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from functional_opt import _validate
+from functional_opt.base import GradientTransformation, Params, chain
+from functional_opt.schedules import Schedule
+from functional_opt.transforms.clipping import clip_by_agc
+from functional_opt.transforms.moments import MomentDtype, ema, scale_by_rms
+from functional_opt.transforms.scaling import scale_by_learning_rate
+from functional_opt.transforms.weight_decay import add_decayed_weights
+from functional_opt.tree import PyTree
+
+__all__ = ["dreamerv3", "dreamerv3_schedule"]
+
+Number = float | int | Tensor
+SCHEDULES = ("const", "linear", "cosine")
+
+
+def _where(cond: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
+    return torch.where(
+        cond, torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    )
+
+
+def dreamerv3_schedule(
+    lr: Number,
+    warmup: Number = 1000,
+    schedule: Literal["const", "linear", "cosine"] = "const",
+    anneal: Number = 0,
+) -> Schedule:
+    """DreamerV3's learning rate at update count ``t`` (from 0).
+
+    Warm-up: ``lr * t / warmup`` for ``t < warmup`` (0 on the first update). Then, with
+    ``s = t - warmup`` and ``T = anneal - warmup``: ``const`` gives ``lr``; ``linear`` goes
+    linearly to ``0.1 lr`` at ``s = T``; ``cosine`` gives
+    ``lr * (0.9 * 0.5 * (1 + cos(pi * min(s, T) / T)) + 0.1)``. ``T <= 0`` gives ``lr``.
+    Works with tensor hyperparameters (no Python branching on their values).
+    """
+
+    def fn(count: int | Tensor) -> Tensor:
+        t = torch.as_tensor(count).to(torch.float64)
+        w = torch.as_tensor(warmup).to(torch.float64)
+        span = torch.as_tensor(anneal).to(torch.float64) - w
+        # Linear ramp from 0 to lr over `warmup` updates (optax.linear_schedule(0, lr, warmup)).
+        ramp = (0.0 - lr) * (1 - torch.clamp(t, min=0) / torch.clamp(w, min=1)) + lr
+        s = t - w
+        safe_span = torch.clamp(span, min=1)
+        if schedule == "const":
+            body = torch.zeros_like(t) + lr
+        elif schedule == "linear":
+            frac = 1 - torch.minimum(torch.clamp(s, min=0), safe_span) / safe_span
+            body = _where(span > 0, (lr - 0.1 * lr) * frac + 0.1 * lr, torch.zeros_like(t) + lr)
+        else:
+            cosine = 0.5 * (1 + torch.cos(math.pi * torch.minimum(s, safe_span) / safe_span))
+            body = _where(span > 0, lr * ((1 - 0.1) * cosine + 0.1), torch.zeros_like(t) + lr)
+        return torch.where(t < w, ramp, body)
+
+    return fn
+
+
+def dreamerv3(
+    lr: Number = 4e-5,
+    *,
+    agc: Number = 0.3,
+    pmin: Number = 1e-3,
+    beta1: Number = 0.9,
+    beta2: Number = 0.999,
+    eps: Number = 1e-20,
+    warmup: Number = 1000,
+    momentum: bool = True,
+    nesterov: bool = False,
+    weight_decay: Number = 0.0,
+    weight_decay_mask: PyTree | Callable[[Params], PyTree] | None = None,
+    schedule: Literal["const", "linear", "cosine"] = "const",
+    anneal: Number = 0,
+) -> GradientTransformation:
+    """DreamerV3's optimizer.
+
+    ``chain(clip_by_agc(agc, pmin), scale_by_rms(beta2, eps, eps_in_sqrt=False,
+    bias_correction=True), ema(beta1, debias=True), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(dreamerv3_schedule(lr, warmup, schedule, anneal)))``. That is
+    ``u = u / max(1, ||u|| / (agc max(pmin, ||p||)))``, ``nu = b2 nu + (1-b2) u^2``,
+    ``r = u / (sqrt(nu / (1-b2^t)) + eps)``, ``mu = b1 mu + (1-b1) r``,
+    ``u = -lr_t (mu / (1-b1^t) + wd p)``. ``nesterov`` uses ``b1 mu + (1-b1) r`` in place of
+    ``mu``; ``momentum=False`` drops the ``mu`` step. Moments are float32 for 16-bit params.
+    """
+    _validate.non_negative("lr", lr)
+    _validate.non_negative("agc", agc)
+    _validate.non_negative("pmin", pmin)
+    _validate.unit_interval("beta1", beta1)
+    _validate.unit_interval("beta2", beta2)
+    _validate.non_negative("eps", eps)
+    _validate.int_at_least("warmup", warmup, 0)
+    _validate.int_at_least("anneal", anneal, 0)
+    _validate.non_negative("weight_decay", weight_decay)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    static = isinstance(anneal, int) and isinstance(warmup, int)
+    if schedule == "cosine" and static and anneal <= warmup:
+        raise ValueError(
+            f"anneal must be > warmup for the cosine schedule, got anneal={anneal}, warmup={warmup}"
+        )
+    moments: MomentDtype = "float32_for_16bit"
+    parts = [
+        clip_by_agc(agc, pmin),
+        scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True, _moment_dtype=moments),
+    ]
+    if momentum:
+        parts.append(ema(beta1, debias=True, _moment_dtype=moments, _nesterov=nesterov))
+    parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
+    parts.append(scale_by_learning_rate(dreamerv3_schedule(lr, warmup, schedule, anneal)))
+    return chain(*parts)

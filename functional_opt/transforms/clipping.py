@@ -1,0 +1,132 @@
+"""Clipping: elementwise ``clip``, ``clip_by_global_norm``, unit-wise ``adaptive_grad_clip`` and
+DreamerV3's per-tensor ``clip_by_agc``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from functional_opt import _lists, _validate, tree
+from functional_opt.base import EmptyState, GradientTransformation, Params, Updates
+
+__all__ = ["adaptive_grad_clip", "clip", "clip_by_agc", "clip_by_global_norm", "unitwise_norm"]
+
+
+def _stateless(
+    fn: Any,
+) -> GradientTransformation:
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates, state: EmptyState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, EmptyState]:
+        del extra
+        return fn(updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def clip(max_delta: float | Tensor) -> GradientTransformation:
+    """``u -> clamp(u, -max_delta, max_delta)`` elementwise."""
+    _validate.non_negative("max_delta", max_delta)
+
+    def apply(updates: Updates, params: Params | None) -> Updates:
+        del params
+        g, at = tree.split(updates)
+        return at.updates(_lists.clamp(g, -max_delta, max_delta))
+
+    return _stateless(apply)
+
+
+def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
+    """``u -> u * min(1, max_norm / ||u||)`` with ``||u|| = sqrt(sum_i ||u_i||^2)`` over all
+    leaves (``None`` leaves ignored); unchanged when ``||u|| < max_norm``."""
+    _validate.positive("max_norm", max_norm)
+
+    def apply(updates: Updates, params: Params | None) -> Updates:
+        del params
+        g, at = tree.split(updates)
+        norm = _lists.global_norm(g)
+        factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
+        return at.updates(_lists.mul(g, factor))
+
+    return _stateless(apply)
+
+
+def unitwise_norm(x: Tensor) -> Tensor:
+    """L2 norm per output unit, broadcast to ``x.shape`` (optax's layout: scalars and vectors
+    whole, 2-D/3-D over axis 0, 4-D over axes 0-2)."""
+    if x.squeeze().dim() <= 1:
+        sq = torch.sum(x * x, dim=tuple(range(x.dim())), keepdim=True)
+    elif x.dim() in (2, 3):
+        sq = torch.sum(x * x, dim=0, keepdim=True)
+    elif x.dim() == 4:
+        sq = torch.sum(x * x, dim=(0, 1, 2), keepdim=True)
+    else:
+        raise ValueError(f"unitwise_norm: expected a tensor of rank <= 4, got shape {x.shape}")
+    return torch.broadcast_to(torch.sqrt(sq), x.shape)
+
+
+def adaptive_grad_clip(
+    clipping: float | Tensor, eps: float | Tensor = 1e-3
+) -> GradientTransformation:
+    """Unit-wise adaptive gradient clipping (Brock et al. 2021, NFNets).
+
+    ``max = clipping * max(||p||_unit, eps)``; ``u -> u`` where ``||u||_unit < max``, else
+    ``u * max / max(||u||_unit, 1e-6)``. Norms follow optax's (JAX) axis layout; needs ``params``.
+    """
+    _validate.non_negative("clipping", clipping)
+    _validate.non_negative("eps", eps)
+
+    def apply(updates: Updates, params: Params | None) -> Updates:
+        if params is None:
+            raise ValueError("adaptive_grad_clip needs params: call update(updates, state, params)")
+        g, at = tree.split(updates)
+        p = at.take(params, "params")
+        out = []
+        for gi, pi in zip(g, p, strict=True):
+            g_norm = unitwise_norm(gi)
+            max_norm = clipping * torch.clamp(unitwise_norm(pi), min=eps)
+            clipped = gi * (max_norm / torch.clamp(g_norm, min=1e-6))
+            out.append(torch.where(g_norm < max_norm, gi, clipped).to(gi.dtype))
+        return at.updates(out)
+
+    return _stateless(apply)
+
+
+def agc_factors(
+    g: list[Tensor], p: list[Tensor], clip: float | Tensor, pmin: float | Tensor
+) -> list[Tensor]:
+    """Per-tensor DreamerV3 clip factors ``1 / max(1, ||u|| / (clip * max(pmin, ||p||)))``
+    (1 where ``clip == 0``)."""
+    unorm = _lists.stack(_lists.norms(g))
+    pnorm = _lists.stack(_lists.norms(p))
+    upper = clip * torch.clamp(pnorm, min=pmin)
+    factor = 1.0 / torch.clamp(unorm / upper, min=1.0)
+    if isinstance(clip, Tensor):
+        factor = torch.where(clip > 0, factor, torch.ones_like(factor))
+    return list(factor.unbind())
+
+
+def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> GradientTransformation:
+    """DreamerV3's per-tensor adaptive clipping:
+    ``u -> u / max(1, ||u|| / (clip * max(pmin, ||p||)))``; ``clip=0`` disables it. Needs params."""
+    _validate.non_negative("clip", clip)
+    _validate.non_negative("pmin", pmin)
+
+    def apply(updates: Updates, params: Params | None) -> Updates:
+        if isinstance(clip, (int, float)) and clip == 0:
+            return updates
+        if params is None:
+            raise ValueError("clip_by_agc needs params: call update(updates, state, params)")
+        g, at = tree.split(updates)
+        if not g:
+            return updates
+        p = at.take(params, "params")
+        return at.updates(_lists.mul(g, agc_factors(g, p, clip, pmin)))
+
+    return _stateless(apply)

@@ -1,0 +1,74 @@
+"""``apply_if_finite``: skip updates that contain NaN or Inf."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_opt import _lists, _validate, tree
+from functional_opt.base import GradientTransformation, Params, Updates, safe_increment, zero_count
+
+__all__ = ["ApplyIfFiniteState", "apply_if_finite", "select_tree"]
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """``notfinite_count``: consecutive non-finite updates; ``last_finite``: whether the last
+    update was finite; ``total_notfinite``: all non-finite updates; ``inner_state``."""
+
+    notfinite_count: Tensor
+    last_finite: Tensor
+    total_notfinite: Tensor
+    inner_state: Any
+
+
+def select_tree(cond: Tensor, on_true: Any, on_false: Any) -> Any:
+    """Leafwise ``torch.where(cond, a, b)`` over two trees of the same structure (non-tensor
+    leaves taken from ``on_false``)."""
+    a, spec = tree.flatten(on_true)
+    b = tree.Leaves(a, spec, on_true).flat(on_false, "state")
+    out = [
+        torch.where(cond, x, y).to(y.dtype)
+        if isinstance(x, Tensor) and isinstance(y, Tensor)
+        else y
+        for x, y in zip(a, b, strict=True)
+    ]
+    return tree.unflatten(spec, out)
+
+
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int
+) -> GradientTransformation:
+    """Runs ``inner`` only on finite updates.
+
+    A non-finite update yields zero updates and leaves the inner state unchanged, unless more than
+    ``max_consecutive_errors`` non-finite updates came in a row (then it is applied).
+    """
+    _validate.int_at_least("max_consecutive_errors", max_consecutive_errors, 0)
+
+    def init_fn(params: Params) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(
+            zero_count(), torch.ones((), dtype=torch.bool), zero_count(), inner.init(params)
+        )
+
+    def update_fn(
+        updates: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, ApplyIfFiniteState]:
+        g, _ = tree.split(updates)
+        finite = _lists.all_finite(g)
+        notfinite = torch.where(
+            finite, torch.zeros_like(state.notfinite_count), safe_increment(state.notfinite_count)
+        )
+        apply = finite | (notfinite > max_consecutive_errors)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
+        out, where = tree.split(new_updates)
+        out = _lists.where(apply, out, _lists.zeros_like(out))
+        return where.updates(out), ApplyIfFiniteState(
+            notfinite,
+            finite,
+            torch.where(finite, state.total_notfinite, safe_increment(state.total_notfinite)),
+            select_tree(apply, new_inner, state.inner_state),
+        )
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,123 @@
+"""``inject_hyperparams``: hyperparameters as tensors in the state, changeable without rebuilding
+(and without recompiling under ``torch.compile``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_opt import tree
+from functional_opt.base import GradientTransformation, Params, Updates, safe_increment, zero_count
+
+__all__ = ["InjectHyperparamsState", "inject_hyperparams"]
+
+
+class InjectHyperparamsState(NamedTuple):
+    """``count`` of updates, the current ``hyperparams`` (0-d tensors) and the ``inner_state``."""
+
+    count: Tensor  # type: ignore[assignment]
+    hyperparams: dict[str, Tensor]
+    inner_state: Any
+
+
+def _highest_float_dtype(params: Params) -> torch.dtype:
+    dtypes = [
+        p.dtype for p in tree.leaves(params) if isinstance(p, Tensor) and p.is_floating_point()
+    ]
+    if not dtypes:
+        return torch.get_default_dtype()
+    return max(dtypes, key=lambda d: torch.finfo(d).bits)
+
+
+def _as_tensor(value: Any, dtype: torch.dtype) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=dtype)
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def inject_hyperparams(
+    inner_factory: Callable[..., GradientTransformation],
+    static_args: str | Iterable[str] = (),
+    hyperparam_dtype: torch.dtype | None = None,
+) -> Callable[..., GradientTransformation]:
+    """Wraps a transform factory so that its numeric arguments live in the state.
+
+    Numbers (and 0-d tensors) become ``state.hyperparams[name]`` tensors; callables other than
+    ``static_args`` are schedules evaluated at ``state.count`` each update; bools, strings and
+    ``static_args`` stay fixed. Floats use ``hyperparam_dtype`` (default: the params' widest
+    float dtype). Change a value by replacing it in ``state.hyperparams``.
+    """
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(inner_factory)
+    unknown = static - set(signature.parameters)
+    if unknown:
+        raise ValueError(
+            f"static_args {sorted(unknown)} are not parameters of {inner_factory.__name__} "
+            f"(it takes {list(signature.parameters)})"
+        )
+
+    @functools.wraps(inner_factory)
+    def wrapped(*args: Any, **kwargs: Any) -> GradientTransformation:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name, {}))
+        schedules: dict[str, Callable[[Tensor], Any]] = {}
+        numeric: dict[str, Any] = {}
+        fixed: dict[str, Any] = {}
+        for name, value in arguments.items():
+            if name in static or isinstance(value, bool) or name.startswith("_"):
+                fixed[name] = value
+            elif callable(value):
+                schedules[name] = value
+            elif isinstance(value, (int, float)) or (
+                isinstance(value, Tensor) and value.dim() == 0
+            ):
+                numeric[name] = value
+            else:
+                fixed[name] = value
+
+        def current(
+            count: Tensor, stored: dict[str, Tensor], dtype: torch.dtype
+        ) -> dict[str, Tensor]:
+            values = dict(stored)
+            for name, fn in schedules.items():
+                values[name] = _as_tensor(torch.as_tensor(fn(count)), dtype)
+            return values
+
+        def init_fn(params: Params) -> InjectHyperparamsState:
+            dtype = hyperparam_dtype or _highest_float_dtype(params)
+            count = zero_count()
+            stored = {k: _as_tensor(v, dtype) for k, v in numeric.items()}
+            values = current(count, stored, dtype)
+            inner = inner_factory(**fixed, **values)
+            return InjectHyperparamsState(count, values, inner.init(params))
+
+        def update_fn(
+            updates: Updates,
+            state: InjectHyperparamsState,
+            params: Params | None = None,
+            **extra: Any,
+        ) -> tuple[Updates, InjectHyperparamsState]:
+            stored = state.hyperparams
+            dtype = next(
+                (v.dtype for v in stored.values() if v.is_floating_point()),
+                hyperparam_dtype or torch.get_default_dtype(),
+            )
+            values = current(state.count, stored, dtype)
+            inner = inner_factory(**fixed, **values)
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+            return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
+
+        return GradientTransformation(init_fn, update_fn)
+
+    return wrapped
