@@ -36,7 +36,7 @@ def _count(count: int | Tensor) -> Tensor:
 
 
 def constant_schedule(value: ScheduleValue) -> Schedule:
-    """``f(t) = value``."""
+    """The constant schedule ``f(t) = value`` for every step count ``t``."""
     _validate.finite("value", value)
 
     def schedule(count: int | Tensor) -> Tensor:
