@@ -4,7 +4,8 @@ The fast path calls ``torch._foreach_*`` (which groups tensors by device and dty
 Tensors that ``torch._foreach_*`` cannot take (tensors wrapped by ``torch.func.vmap``/``grad``,
 tensor subclasses such as ``DTensor``) go through the plain per-tensor path, which computes the
 same formula op by op. All functions are pure: they return new tensors and never write into their
-arguments.
+arguments. Ops with a scalar (``mul``, ``add_scalar``, ``div_scalar``) keep each tensor's dtype
+even for 0-d tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dtype.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:
 
 
 def mul(xs: Sequence[Tensor], s: Scalar | Sequence[Scalar]) -> list[Tensor]:
-    """``x * s`` for each ``x``; ``s`` is one scalar or one per tensor."""
+    """``x * s`` for each ``x`` (in ``x``'s dtype); ``s`` is one scalar or one per tensor."""
     if not xs:
         return []
     if use_foreach(xs):
         if isinstance(s, (list, tuple)) and s and isinstance(s[0], Tensor):
-            return list(torch._foreach_mul(list(xs), list(s)))
-        return list(torch._foreach_mul(list(xs), s))  # type: ignore[arg-type]
-    return [x * c for x, c in zip(xs, _scalars(s, len(xs)), strict=True)]
+            return like(torch._foreach_mul(list(xs), list(s)), xs)
+        return like(torch._foreach_mul(list(xs), s), xs)  # type: ignore[arg-type]
+    return like([x * c for x, c in zip(xs, _scalars(s, len(xs)), strict=True)], xs)
 
 
 def div(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
@@ -75,12 +76,12 @@ def sub(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
 
 
 def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
-    """``x + s``."""
+    """``x + s`` (in ``x``'s dtype)."""
     if not xs:
         return []
     if use_foreach(xs):
-        return list(torch._foreach_add(list(xs), s))
-    return [x + s for x in xs]
+        return like(torch._foreach_add(list(xs), s), xs)
+    return like([x + s for x in xs], xs)
 
 
 def sqrt(xs: Sequence[Tensor]) -> list[Tensor]:
@@ -135,12 +136,12 @@ def moment(m: Sequence[Tensor], g: Sequence[Tensor], decay: Scalar, order: int) 
 
 
 def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
-    """``x / s`` for one scalar ``s``."""
+    """``x / s`` for one scalar ``s`` (in ``x``'s dtype)."""
     if not xs:
         return []
     if use_foreach(xs):
-        return list(torch._foreach_div(list(xs), s))
-    return [x / s for x in xs]
+        return like(torch._foreach_div(list(xs), s), xs)
+    return like([x / s for x in xs], xs)
 
 
 def norms(xs: Sequence[Tensor]) -> list[Tensor]:

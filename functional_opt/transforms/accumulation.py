@@ -51,6 +51,8 @@ class MultiSteps:
     untouched. ``k = every_k_schedule(gradient_step)`` may vary. In eager mode the inner
     transform only runs on the emitting mini-step; under ``torch.compile``/``vmap`` both branches
     are computed and selected with ``torch.where``. Updates keep their dtype either way.
+    The accumulator has the promoted dtype of ``accumulator_dtype`` and the param's (by default
+    16-bit gradients accumulate in float32 and float64 ones stay float64).
     """
 
     def __init__(
@@ -77,8 +79,12 @@ class MultiSteps:
         return self._opt
 
     def init(self, params: Params) -> MultiStepsState:
-        dtype = self._accumulator_dtype
-        acc = tree.map_params(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+        want = self._accumulator_dtype
+        # Never narrower than the param: the float32 default must not round float64 gradients.
+        acc = tree.map_params(
+            lambda p: torch.zeros_like(p, dtype=torch.promote_types(want or p.dtype, p.dtype)),
+            params,
+        )
         return MultiStepsState(zero_count(), zero_count(), self._opt.init(params), acc)
 
     def update(

@@ -59,15 +59,17 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
 
 def unitwise_norm(x: Tensor) -> Tensor:
     """L2 norm per output unit, broadcast to ``x.shape`` (optax's layout: scalars and vectors
-    whole, 2-D/3-D over axis 0, 4-D over axes 0-2)."""
+    whole, 2-D/3-D over axis 0, 4-D over axes 0-2, 5-D over axes 0-3)."""
     if x.squeeze().dim() <= 1:
         sq = torch.sum(x * x, dim=tuple(range(x.dim())), keepdim=True)
     elif x.dim() in (2, 3):
         sq = torch.sum(x * x, dim=0, keepdim=True)
     elif x.dim() == 4:
         sq = torch.sum(x * x, dim=(0, 1, 2), keepdim=True)
+    elif x.dim() == 5:
+        sq = torch.sum(x * x, dim=(0, 1, 2, 3), keepdim=True)
     else:
-        raise ValueError(f"unitwise_norm: expected a tensor of rank <= 4, got shape {x.shape}")
+        raise ValueError(f"unitwise_norm: expected a tensor of rank <= 5, got shape {x.shape}")
     return torch.broadcast_to(torch.sqrt(sq), x.shape)
 
 

@@ -31,7 +31,8 @@ def _highest_float_dtype(params: Params) -> torch.dtype:
     ]
     if not dtypes:
         return torch.get_default_dtype()
-    return max(dtypes, key=lambda d: torch.finfo(d).bits)
+    # At least float32: 16-bit hyperparameters would round e.g. b2=0.999 to 1.0.
+    return max([torch.float32, *dtypes], key=lambda d: torch.finfo(d).bits)
 
 
 def _as_tensor(value: Any, dtype: torch.dtype) -> Tensor:
@@ -52,7 +53,7 @@ def inject_hyperparams(
     Numbers (and 0-d tensors) become ``state.hyperparams[name]`` tensors; callables other than
     ``static_args`` are schedules evaluated at ``state.count`` each update; bools, strings and
     ``static_args`` stay fixed. Floats use ``hyperparam_dtype`` (default: the params' widest
-    float dtype). Change a value by replacing it in ``state.hyperparams``.
+    float dtype, at least float32). Change a value by replacing it in ``state.hyperparams``.
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)

@@ -1,0 +1,456 @@
+"""The core is pure: it works under ``torch.func.grad``, ``torch.func.vmap`` and
+``torch.compile(fullgraph=True)``.
+
+* ``grad`` through three unrolled updates equals central finite differences (float64);
+* ``vmap`` of ``init``/``update`` over a stacked ensemble equals a per-member loop;
+* a ``fullgraph`` compiled ``update`` equals eager and does not recompile after its second call,
+  not even when an injected hyperparameter changes;
+* eager ``update`` never writes into its inputs and is deterministic in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch import Tensor
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.func import grad, vmap
+
+import functional_opt as fo
+
+Tree = Any
+
+# Tight tolerances: DreamerV3's default lr makes updates ~1e-5, so a loose ``atol`` could not fail.
+RTOL, ATOL = 1e-5, 1e-8
+
+
+def assert_trees_close(
+    actual: Tree, expected: Tree, rtol: float = RTOL, atol: float = ATOL
+) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def member(tree: Tree, i: int) -> Tree:
+    """Member ``i`` of a tree stacked along dim 0."""
+    return optree.tree_map(lambda x: x[i], tree)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. torch.func.grad through unrolled updates vs central finite differences (float64)
+# --------------------------------------------------------------------------------------------
+
+F64 = torch.float64
+CURVATURE = {
+    "w": torch.tensor([1.0, 2.0, 0.5], dtype=F64),
+    "b": torch.tensor([[1.5, 0.7], [0.3, 1.1]], dtype=F64),
+}
+TARGET = {
+    "w": torch.tensor([0.3, -0.2, 1.0], dtype=F64),
+    "b": torch.tensor([[-0.5, 0.4], [0.9, -1.2]], dtype=F64),
+}
+THETA0 = {
+    "w": torch.tensor([1.0, -1.0, 2.0], dtype=F64),
+    "b": torch.tensor([[0.5, -0.3], [1.2, 0.8]], dtype=F64),
+}
+UNROLL = 3
+FD_EPS = 1e-6
+FD_RTOL, FD_ATOL = 1e-5, 1e-8
+
+
+def quadratic_loss(params: dict[str, Tensor]) -> Tensor:
+    terms = [(0.5 * CURVATURE[k] * (params[k] - TARGET[k]).square()).sum() for k in sorted(params)]
+    return torch.stack(terms).sum()
+
+
+def unrolled_loss(
+    tx: fo.GradientTransformation,
+    theta0: dict[str, Tensor],
+    edit_state: Callable[[Any], Any] | None = None,
+) -> Tensor:
+    """Meta-objective: the loss after ``UNROLL`` updates from ``theta0`` (inner gradients by
+    ``torch.func.grad``, so the outer ``grad`` differentiates through them)."""
+    state = tx.init(theta0)
+    if edit_state is not None:
+        state = edit_state(state)
+    params = theta0
+    for _ in range(UNROLL):
+        g = grad(quadratic_loss)(params)
+        updates, state = tx.update(g, state, params)
+        params = fo.apply_updates(params, updates)
+    return quadratic_loss(params)
+
+
+def central_differences(
+    f: Callable[[dict[str, Tensor]], Tensor], x: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    out = {}
+    for name, value in x.items():
+        d = torch.zeros_like(value)
+        for i in range(value.numel()):
+            step = torch.zeros_like(value)
+            step.view(-1)[i] = FD_EPS
+            plus = f({**x, name: value + step})
+            minus = f({**x, name: value - step})
+            d.view(-1)[i] = (plus - minus) / (2 * FD_EPS)
+        out[name] = d
+    return out
+
+
+def agc_ratios(tx: fo.GradientTransformation, agc: float, pmin: float = 1e-3) -> list[float]:
+    """``||g|| / (agc * max(pmin, ||p||))`` for every tensor at every unrolled step (eagerly):
+    DreamerV3's clip is active where this exceeds 1 and not differentiable where it equals 1."""
+    state = tx.init(THETA0)
+    params = THETA0
+    ratios = []
+    for _ in range(UNROLL):
+        g = grad(quadratic_loss)(params)
+        for k in params:
+            upper = agc * max(pmin, params[k].norm().item())
+            ratios.append(g[k].norm().item() / upper)
+        updates, state = tx.update(g, state, params)
+        params = fo.apply_updates(params, updates)
+    return ratios
+
+
+@pytest.mark.parametrize(
+    ("options", "clip_active"),
+    [
+        pytest.param({"lr": 0.05, "warmup": 0, "agc": 10.0}, False, id="no-warmup-clip-inactive"),
+        pytest.param({"lr": 0.05, "warmup": 0, "agc": 0.3}, True, id="no-warmup-clip-active"),
+        pytest.param({"lr": 0.1, "warmup": 2, "agc": 0.3}, True, id="warmup"),
+        pytest.param({"lr": 0.05, "warmup": 0, "nesterov": True}, True, id="nesterov"),
+    ],
+)
+def test_grad_through_unrolled_dreamerv3_matches_finite_differences(
+    options: dict[str, Any], clip_active: bool
+) -> None:
+    tx = fo.dreamerv3(momentum=True, **options)
+    # Stay away from the clip's kink so that finite differences are meaningful.
+    ratios = agc_ratios(tx, options.get("agc", 0.3))
+    assert all(abs(r - 1) > 0.05 for r in ratios), ratios
+    assert any(r > 1 for r in ratios) == clip_active, ratios
+
+    analytic = grad(lambda theta: unrolled_loss(tx, theta))(THETA0)
+    numeric = central_differences(lambda theta: unrolled_loss(tx, theta), THETA0)
+    assert max(v.abs().max().item() for v in numeric.values()) > 1e-2
+    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+
+
+def test_grad_through_unrolled_dreamerv3_wrt_injected_lr() -> None:
+    tx = fo.inject_hyperparams(fo.dreamerv3)(lr=0.05, warmup=2)
+    assert all(abs(r - 1) > 0.05 for r in agc_ratios(tx, 0.3))
+
+    def meta(lr: Tensor) -> Tensor:
+        def set_lr(state: fo.InjectHyperparamsState) -> fo.InjectHyperparamsState:
+            assert state.hyperparams["lr"].dtype == lr.dtype
+            return state._replace(hyperparams={**state.hyperparams, "lr": lr})
+
+        return unrolled_loss(tx, THETA0, set_lr)
+
+    lr = torch.tensor(0.05, dtype=F64)
+    analytic = grad(meta)(lr)
+    numeric = (meta(lr + FD_EPS) - meta(lr - FD_EPS)) / (2 * FD_EPS)
+    assert abs(numeric.item()) > 1e-2
+    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+
+
+def test_grad_through_unrolled_adam_matches_finite_differences() -> None:
+    tx = fo.adam(0.1)
+    analytic = grad(lambda theta: unrolled_loss(tx, theta))(THETA0)
+    numeric = central_differences(lambda theta: unrolled_loss(tx, theta), THETA0)
+    assert max(v.abs().max().item() for v in numeric.values()) > 1e-2
+    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+
+
+def test_grad_through_unrolled_adam_wrt_learning_rate_tensor() -> None:
+    def meta(lr: Tensor) -> Tensor:
+        return unrolled_loss(fo.adam(lr, b1=0.8), THETA0)
+
+    lr = torch.tensor(0.1, dtype=F64)
+    analytic = grad(meta)(lr)
+    numeric = (meta(lr + FD_EPS) - meta(lr - FD_EPS)) / (2 * FD_EPS)
+    assert abs(numeric.item()) > 1e-2
+    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. torch.func.vmap over a stacked ensemble vs a per-member loop
+# --------------------------------------------------------------------------------------------
+
+MEMBERS = 4
+
+
+def ensemble_params() -> dict[str, Tensor]:
+    # float64: the vmapped path computes per tensor and the loop with ``torch._foreach_*``; in
+    # float32 their roundings differ enough to hide a formula error behind a loose tolerance.
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(MEMBERS, 3, 2, generator=gen, dtype=F64),
+        "b": torch.randn(MEMBERS, 3, generator=gen, dtype=F64),
+        "s": torch.randn(MEMBERS, generator=gen, dtype=F64),
+    }
+
+
+def run_ensemble(
+    tx: fo.GradientTransformation,
+    steps: int,
+    nan_at: tuple[int, int] | None = None,
+    edit_state: Callable[[Any, int | None], Any] | None = None,
+    frozen: str | None = None,
+) -> tuple[list[Tree], Tree]:
+    """Runs ``steps`` updates vmapped over the ensemble and member by member, checks they agree
+    after every step, and returns the vmapped updates of each step and the final state.
+
+    ``nan_at=(step, i)`` puts a NaN into member ``i``'s gradient at ``step``. ``edit_state(state,
+    i)`` edits the stacked state (``i=None``) or member ``i``'s state right after ``init``.
+    ``frozen`` names a parameter whose gradient is always ``None``."""
+    params = ensemble_params()
+    # vmap takes no None leaf under a batch dim: the None gradient/update gets in/out dim None.
+    dims = {k: None if k == frozen else 0 for k in params}
+    update_v = vmap(tx.update, in_dims=(dims, 0, 0), out_dims=(dims, 0))
+    gen = torch.Generator().manual_seed(1)
+    state_v = vmap(tx.init)(params)
+    states = [tx.init(member(params, i)) for i in range(MEMBERS)]
+    assert_trees_close(member(state_v, 0), states[0])
+    if edit_state is not None:
+        state_v = edit_state(state_v, None)
+        states = [edit_state(s, i) for i, s in enumerate(states)]
+    history = []
+    for step in range(steps):
+        g: dict[str, Tensor | None] = {
+            k: None if k == frozen else torch.randn(v.shape, generator=gen, dtype=F64)
+            for k, v in params.items()
+        }
+        if nan_at is not None and step == nan_at[0]:
+            g["w"][nan_at[1], 0, 0] = float("nan")  # type: ignore[index]
+        updates_v, state_v = update_v(g, state_v, params)
+        for i in range(MEMBERS):
+            updates_i, states[i] = tx.update(member(g, i), states[i], member(params, i))
+            assert_trees_close(member(updates_v, i), updates_i)
+            assert_trees_close(member(state_v, i), states[i])
+        history.append(updates_v)
+        params = fo.apply_updates(params, updates_v)
+    return history, state_v
+
+
+def _nonzero_per_member(updates: dict[str, Tensor | None]) -> Tensor:
+    present = [v for v in updates.values() if v is not None]
+    return torch.stack([(v.reshape(MEMBERS, -1) != 0).any(dim=1) for v in present]).any(0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: fo.dreamerv3(lr=1e-2, warmup=2), id="dreamerv3"),
+        pytest.param(lambda: fo.dreamerv3(lr=1e-2, warmup=0, agc=0.05), id="dreamerv3-clipping"),
+        pytest.param(lambda: fo.adam(1e-2), id="adam"),
+        pytest.param(
+            lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)), id="clip-global-adam"
+        ),
+    ],
+)
+def test_vmap_matches_per_member_loop(make: Callable[[], fo.GradientTransformation]) -> None:
+    history, _ = run_ensemble(make(), steps=4)
+    assert bool(_nonzero_per_member(history[-1]).all())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: fo.dreamerv3(lr=1e-2, warmup=0, weight_decay=0.1), id="dreamerv3"),
+        pytest.param(lambda: fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation(), id="ms"),
+        pytest.param(
+            lambda: fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)), 2),
+            id="apply-if-finite-clip-adam",
+        ),
+    ],
+)
+def test_vmap_with_a_parameter_without_gradient(
+    make: Callable[[], fo.GradientTransformation],
+) -> None:
+    tx = make()
+    history, state = run_ensemble(tx, steps=4, frozen="b")
+    assert all(u["b"] is None for u in history)
+    assert bool(_nonzero_per_member(history[-1]).all())
+    # The frozen parameter's per-parameter state is still its initial value.
+    initial = vmap(tx.init)(ensemble_params())
+    b_state = [v for p, v in zip(*_paths_and_leaves(state), strict=True) if p[-1:] == ("b",)]
+    b_initial = [v for p, v in zip(*_paths_and_leaves(initial), strict=True) if p[-1:] == ("b",)]
+    assert b_state, "no per-parameter state for 'b' found"
+    assert_trees_close(b_state, b_initial, rtol=0, atol=0)
+
+
+def _paths_and_leaves(tree: Tree) -> tuple[list[tuple[Any, ...]], list[Any]]:
+    return optree.tree_paths(tree), optree.tree_leaves(tree)
+
+
+def test_vmap_multi_steps_takes_both_branches() -> None:
+    tx = fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation()
+    history, state = run_ensemble(tx, steps=5)
+    emitted = [bool(_nonzero_per_member(u).all()) for u in history]
+    silent = [not bool(_nonzero_per_member(u).any()) for u in history]
+    assert emitted == [False, True, False, True, False]
+    assert silent == [True, False, True, False, True]
+    assert state.gradient_step.tolist() == [2] * MEMBERS
+    assert state.mini_step.tolist() == [1] * MEMBERS
+
+
+def test_vmap_apply_if_finite_with_nan_in_one_member() -> None:
+    tx = fo.apply_if_finite(fo.adam(1e-2), 2)
+    history, state = run_ensemble(tx, steps=4, nan_at=(2, 1))
+    assert _nonzero_per_member(history[2]).tolist() == [True, False, True, True]
+    assert state.total_notfinite.tolist() == [0, 1, 0, 0]
+    assert state.last_finite.tolist() == [True] * MEMBERS
+    # The skipped step did not advance member 1's inner Adam count.
+    assert state.inner_state[0].count.tolist() == [4, 3, 4, 4]
+
+
+def test_vmap_inject_hyperparams_with_a_learning_rate_per_member() -> None:
+    lrs = torch.tensor([1e-3, 1e-2, 3e-2, 1e-1], dtype=F64)
+
+    def set_lr(state: fo.InjectHyperparamsState, i: int | None) -> fo.InjectHyperparamsState:
+        lr = lrs if i is None else lrs[i]
+        return state._replace(hyperparams={**state.hyperparams, "lr": lr})
+
+    tx = fo.inject_hyperparams(fo.dreamerv3)(lr=1e-2, warmup=0)
+    history, state = run_ensemble(tx, steps=3, edit_state=set_lr)
+    assert torch.equal(state.hyperparams["lr"], lrs)
+    scale = history[-1]["b"].abs().mean(dim=1)
+    assert bool((scale[1:] > scale[:-1]).all()), scale
+
+
+# --------------------------------------------------------------------------------------------
+# 3. torch.compile(fullgraph=True) vs eager, with no recompilation after the second call
+# --------------------------------------------------------------------------------------------
+
+
+def compiled_matches_eager(
+    tx: fo.GradientTransformation,
+    steps: int,
+    backend: str = "inductor",
+    nan_at: int | None = None,
+    edit_state: Callable[[Any, int], Any] | None = None,
+    frozen: str | None = None,
+) -> list[Tree]:
+    """Runs ``tx.update`` eagerly and compiled side by side; after the first two calls any
+    recompilation is an error. Returns the eager updates of each step. ``frozen`` names a
+    parameter whose gradient is always ``None``."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    update = torch.compile(tx.update, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    state_eager, state_compiled = tx.init(params), tx.init(params)
+    history = []
+    with contextlib.ExitStack() as stack:
+        for step in range(steps):
+            if step == 2:
+                stack.enter_context(torch._dynamo.config.patch(error_on_recompile=True))
+            g: dict[str, Tensor | None] = {
+                k: None if k == frozen else torch.randn(v.shape, generator=gen)
+                for k, v in params.items()
+            }
+            if step == nan_at:
+                g["w"][1, 1] = float("nan")  # type: ignore[index]
+            if edit_state is not None:
+                state_eager = edit_state(state_eager, step)
+                state_compiled = edit_state(state_compiled, step)
+            updates, state_eager = tx.update(g, state_eager, params)
+            compiled, state_compiled = update(g, state_compiled, params)
+            assert_trees_close(compiled, updates)
+            assert_trees_close(state_compiled, state_eager)
+            history.append(updates)
+            params = fo.apply_updates(params, updates)
+    assert 1 <= counter.frame_count <= 2
+    return history
+
+
+def _is_zero(updates: dict[str, Tensor | None]) -> bool:
+    return all(bool((v == 0).all()) for v in updates.values() if v is not None)
+
+
+def test_compile_dreamerv3() -> None:
+    history = compiled_matches_eager(fo.dreamerv3(warmup=3), steps=6)
+    assert _is_zero(history[0])  # warm-up starts at lr 0
+    assert not any(_is_zero(u) for u in history[1:])
+
+
+def test_compile_dreamerv3_with_a_parameter_without_gradient() -> None:
+    tx = fo.dreamerv3(lr=1e-3, warmup=0, weight_decay=0.1)
+    history = compiled_matches_eager(tx, steps=4, frozen="b")
+    assert all(u["b"] is None for u in history)
+    assert not any(_is_zero(u) for u in history)
+
+
+def test_compile_clip_by_global_norm_adam() -> None:
+    tx = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
+    history = compiled_matches_eager(tx, steps=5)
+    assert not any(_is_zero(u) for u in history)
+
+
+def test_compile_multi_steps() -> None:
+    tx = fo.MultiSteps(fo.adam(1e-2), 3).gradient_transformation()
+    history = compiled_matches_eager(tx, steps=7)
+    assert [not _is_zero(u) for u in history] == [False, False, True, False, False, True, False]
+
+
+def test_compile_apply_if_finite() -> None:
+    tx = fo.apply_if_finite(fo.adam(1e-2), 2)
+    history = compiled_matches_eager(tx, steps=5, nan_at=3)
+    assert [not _is_zero(u) for u in history] == [True, True, True, False, True]
+
+
+def test_compile_inject_hyperparams_lr_change_does_not_recompile() -> None:
+    tx = fo.inject_hyperparams(fo.dreamerv3)(lr=1e-2, warmup=2)
+
+    def change_lr(state: fo.InjectHyperparamsState, step: int) -> fo.InjectHyperparamsState:
+        old = state.hyperparams["lr"]
+        lr = torch.tensor(1e-2 * (step + 1), dtype=old.dtype)
+        return state._replace(hyperparams={**state.hyperparams, "lr": lr})
+
+    # Compiled and eager agree on every step although lr changes before each: the compiled
+    # function reads the new tensor instead of a constant baked in at the first call.
+    history = compiled_matches_eager(tx, steps=5, edit_state=change_lr)
+    assert not any(_is_zero(u) for u in history[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Eager update does not write into its inputs and depends only on them
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: fo.dreamerv3(lr=1e-2, warmup=2, weight_decay=0.1), id="dreamerv3"),
+        pytest.param(
+            lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)), id="clip-global-adam"
+        ),
+        pytest.param(lambda: fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation(), id="ms"),
+        pytest.param(lambda: fo.apply_if_finite(fo.adam(1e-2), 2), id="apply-if-finite"),
+        pytest.param(lambda: fo.inject_hyperparams(fo.dreamerv3)(lr=1e-2), id="inject"),
+    ],
+)
+def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
+    tx = make()
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    state = state0 = tx.init(params)
+    snapshot = optree.tree_map(torch.clone, state0)
+    for step in range(3):
+        g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        if step == 1:
+            g["b"][0] = float("nan")
+        inputs = (g, state, params)
+        before = optree.tree_map(torch.clone, inputs)
+        first = tx.update(*inputs)
+        second = tx.update(*inputs)
+        torch.testing.assert_close(inputs, before, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(first, second, rtol=0, atol=0, equal_nan=True)
+        state = first[1]
+    torch.testing.assert_close(state0, snapshot, rtol=0, atol=0)
