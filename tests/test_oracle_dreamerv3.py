@@ -1,0 +1,194 @@
+"""Oracle test: ``functional_opt.dreamerv3`` matches the original DreamerV3 optimizer (Hafner et
+al. 2023), rebuilt here from optax pieces in JAX (float64), for every option combination."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from oracle_utils import (
+    bool_mask,
+    compare_run,
+    jax,
+    jnp,
+    optax,
+    random_grads,
+    random_params,
+    x64_schedule,
+)
+
+import functional_opt as fo
+
+LR = 0.05
+WARMUP = 3
+ANNEAL = 9
+STEPS = 14  # crosses warm-up (0-2), annealing (3-8) and the floor (9+)
+
+
+class NesterovEmaState(NamedTuple):
+    count: Any
+    mu: Any
+
+
+def reference_agc(clip, pmin):
+    """Per tensor: ``u * 1 / max(1, ||u|| / (clip * max(pmin, ||p||)))``."""
+
+    def update(updates, state, params=None):
+        def one(u, p):
+            upper = clip * jnp.maximum(pmin, jnp.linalg.norm(p.ravel()))
+            return u * (1.0 / jnp.maximum(1.0, jnp.linalg.norm(u.ravel()) / upper))
+
+        return jax.tree.map(one, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def reference_nesterov_ema(b1):
+    """``mu = b1 mu + (1 - b1) u``; ``out = (b1 mu + (1 - b1) u) / (1 - b1**t)``."""
+
+    def init(params):
+        return NesterovEmaState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        mu = jax.tree.map(lambda m, u: b1 * m + (1 - b1) * u, state.mu, updates)
+        count = state.count + 1
+        correction = 1 - b1 ** count.astype(jnp.float64)
+        out = jax.tree.map(lambda m, u: (b1 * m + (1 - b1) * u) / correction, mu, updates)
+        return out, NesterovEmaState(count, mu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def reference_schedule(lr, warmup, schedule, anneal):
+    if schedule == "const":
+        sched = optax.constant_schedule(lr)
+    elif schedule == "linear":
+        sched = optax.linear_schedule(lr, 0.1 * lr, anneal - warmup)
+    else:
+        # alpha=0.1: the intended floor of 0.1 * lr (the original code passed 0.1 * lr as alpha).
+        sched = optax.cosine_decay_schedule(lr, anneal - warmup, alpha=0.1)
+    if warmup > 0:
+        sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), sched], [warmup])
+    return x64_schedule(sched)
+
+
+def reference_dreamerv3(
+    lr,
+    *,
+    agc=0.3,
+    pmin=1e-3,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-20,
+    warmup=1000,
+    momentum=True,
+    nesterov=False,
+    weight_decay=0.0,
+    weight_decay_mask=None,
+    schedule="const",
+    anneal=0,
+):
+    parts = []
+    if agc > 0:
+        parts.append(reference_agc(agc, pmin))
+    parts.append(optax.scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True))
+    if momentum:
+        parts.append(reference_nesterov_ema(beta1) if nesterov else optax.ema(beta1, debias=True))
+    if weight_decay > 0:
+        parts.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
+    parts.append(optax.scale_by_learning_rate(reference_schedule(lr, warmup, schedule, anneal)))
+    return optax.chain(*parts)
+
+
+def _params(seed):
+    params = random_params(seed)
+    # A zero tensor: its norm is below pmin, so the clip bound uses pmin (it stays zero for the
+    # warm-up's first update, whose learning rate is 0).
+    params["zero"] = torch.zeros(3, dtype=torch.float64)
+    return params
+
+
+COMBOS = list(
+    itertools.product(
+        [True, False],  # momentum
+        [False, True],  # nesterov
+        ["none", "all", "mask"],  # weight decay
+        ["const", "linear", "cosine"],
+        [0, WARMUP],
+        [0.0, 0.3],  # agc
+    )
+)
+
+
+def _id(combo):
+    momentum, nesterov, wd, schedule, warmup, agc = combo
+    return f"mom={momentum}-nest={nesterov}-wd={wd}-{schedule}-warmup={warmup}-agc={agc}"
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=[_id(c) for c in COMBOS])
+def test_dreamerv3_matches_reference(combo):
+    momentum, nesterov, wd, schedule, warmup, agc = combo
+    seed = COMBOS.index(combo)
+    params = _params(seed)
+    options = {
+        "agc": agc,
+        "warmup": warmup,
+        "momentum": momentum,
+        "nesterov": nesterov,
+        "weight_decay": 0.0 if wd == "none" else 0.1,
+        "weight_decay_mask": bool_mask(params) if wd == "mask" else None,
+        "schedule": schedule,
+        "anneal": ANNEAL,
+    }
+    compare_run(
+        fo.dreamerv3(LR, **options),
+        reference_dreamerv3(LR, **options),
+        params,
+        random_grads(seed, params, steps=STEPS),
+    )
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dreamerv3_callable_mask_and_other_hyperparameters(nesterov):
+    params = _params(1)
+    options = {
+        "agc": 0.1,
+        "pmin": 0.5,
+        "beta1": 0.7,
+        "beta2": 0.9,
+        "eps": 1e-6,
+        "warmup": 2,
+        "nesterov": nesterov,
+        "weight_decay": 0.3,
+        "weight_decay_mask": bool_mask,
+        "schedule": "cosine",
+        "anneal": 7,
+    }
+    compare_run(
+        fo.dreamerv3(0.2, **options),
+        reference_dreamerv3(0.2, **options),
+        params,
+        random_grads(1, params, steps=STEPS),
+    )
+
+
+@pytest.mark.parametrize("warmup", [0, WARMUP])
+def test_dreamerv3_linear_with_anneal_not_after_warmup_is_constant(warmup):
+    # anneal <= warmup: optax.linear_schedule with transition_steps <= 0 is the constant lr.
+    params = _params(2)
+    options = {"warmup": warmup, "schedule": "linear", "anneal": warmup}
+    compare_run(
+        fo.dreamerv3(LR, **options),
+        reference_dreamerv3(LR, **options),
+        params,
+        random_grads(2, params, steps=8),
+    )
+
+
+def test_dreamerv3_defaults_match_reference():
+    params = _params(3)
+    compare_run(
+        fo.dreamerv3(), reference_dreamerv3(4e-5, warmup=1000), params, random_grads(3, params)
+    )

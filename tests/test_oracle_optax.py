@@ -1,0 +1,299 @@
+"""Oracle tests: every transform, alias and schedule with an optax namesake matches optax itself
+(JAX on the CPU, float64) update by update, and state by state, on random pytrees."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle_utils import (
+    STEPS,
+    assert_trees_close,
+    bool_mask,
+    compare_run,
+    jax,
+    jnp,
+    optax,
+    randn,
+    random_grads,
+    random_params,
+    to_jax,
+    x64_schedule,
+)
+
+import functional_opt as fo
+
+SEEDS = (0, 1)
+
+
+def _pair(ours, theirs):
+    return lambda params: (ours, theirs)
+
+
+# Each case maps the params (to build masks from) to (our transform, optax's transform).
+CASES = {
+    "scale": _pair(fo.scale(0.37), optax.scale(0.37)),
+    "scale_negative": _pair(fo.scale(-2.5), optax.scale(-2.5)),
+    "lr_float": _pair(fo.scale_by_learning_rate(0.1), optax.scale_by_learning_rate(0.1)),
+    "lr_float_no_flip": _pair(
+        fo.scale_by_learning_rate(0.1, flip_sign=False),
+        optax.scale_by_learning_rate(0.1, flip_sign=False),
+    ),
+    "lr_schedule": _pair(
+        fo.scale_by_learning_rate(fo.linear_schedule(0.2, 0.01, 8, 2)),
+        optax.scale_by_learning_rate(x64_schedule(optax.linear_schedule(0.2, 0.01, 8, 2))),
+    ),
+    "lr_schedule_no_flip": _pair(
+        fo.scale_by_learning_rate(fo.cosine_decay_schedule(0.3, 7, 0.1), flip_sign=False),
+        optax.scale_by_learning_rate(optax.cosine_decay_schedule(0.3, 7, 0.1), flip_sign=False),
+    ),
+    "scale_by_schedule": _pair(
+        fo.scale_by_schedule(fo.cosine_decay_schedule(1.5, 7, alpha=0.1, exponent=2.0)),
+        optax.scale_by_schedule(optax.cosine_decay_schedule(1.5, 7, alpha=0.1, exponent=2.0)),
+    ),
+    "clip": _pair(fo.clip(0.3), optax.clip(0.3)),
+    "clip_by_global_norm": _pair(fo.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)),
+    "clip_by_global_norm_loose": _pair(fo.clip_by_global_norm(8.0), optax.clip_by_global_norm(8.0)),
+    "adaptive_grad_clip": _pair(fo.adaptive_grad_clip(0.05), optax.adaptive_grad_clip(0.05)),
+    "adaptive_grad_clip_eps": _pair(
+        fo.adaptive_grad_clip(1.0, eps=0.5), optax.adaptive_grad_clip(1.0, eps=0.5)
+    ),
+    "add_decayed_weights": _pair(fo.add_decayed_weights(0.1), optax.add_decayed_weights(0.1)),
+    "add_decayed_weights_mask_tree": lambda params: (
+        fo.add_decayed_weights(0.1, bool_mask(params)),
+        optax.add_decayed_weights(0.1, bool_mask(params)),
+    ),
+    "add_decayed_weights_mask_fn": _pair(
+        fo.add_decayed_weights(0.1, bool_mask), optax.add_decayed_weights(0.1, bool_mask)
+    ),
+    "adam": _pair(fo.adam(0.05), optax.adam(0.05)),
+    "adam_nesterov_schedule": _pair(
+        fo.adam(fo.linear_schedule(0.1, 0.0, 10), b1=0.8, nesterov=True),
+        optax.adam(x64_schedule(optax.linear_schedule(0.1, 0.0, 10)), b1=0.8, nesterov=True),
+    ),
+    "adamw": _pair(fo.adamw(0.05, weight_decay=0.1), optax.adamw(0.05, weight_decay=0.1)),
+    "adamw_mask_tree": lambda params: (
+        fo.adamw(0.05, weight_decay=0.1, mask=bool_mask(params)),
+        optax.adamw(0.05, weight_decay=0.1, mask=bool_mask(params)),
+    ),
+    "adamw_mask_fn_nesterov": _pair(
+        fo.adamw(0.05, eps_root=1e-8, weight_decay=0.2, mask=bool_mask, nesterov=True),
+        optax.adamw(0.05, eps_root=1e-8, weight_decay=0.2, mask=bool_mask, nesterov=True),
+    ),
+    "sgd": _pair(fo.sgd(0.1), optax.sgd(0.1)),
+    "sgd_momentum": _pair(fo.sgd(0.1, momentum=0.9), optax.sgd(0.1, momentum=0.9)),
+    "sgd_nesterov": _pair(
+        fo.sgd(0.1, momentum=0.9, nesterov=True), optax.sgd(0.1, momentum=0.9, nesterov=True)
+    ),
+    "sgd_nesterov_schedule": _pair(
+        fo.sgd(fo.cosine_decay_schedule(0.1, 6), 0.5, True),
+        optax.sgd(optax.cosine_decay_schedule(0.1, 6), 0.5, True),
+    ),
+}
+
+for _sqrt, _bc, _init in itertools.product((True, False), (True, False), (0.0, 0.3)):
+    CASES[f"scale_by_rms-eps_in_sqrt={_sqrt}-bias_correction={_bc}-initial_scale={_init}"] = _pair(
+        fo.scale_by_rms(0.8, 1e-3, _init, eps_in_sqrt=_sqrt, bias_correction=_bc),
+        optax.scale_by_rms(0.8, 1e-3, _init, eps_in_sqrt=_sqrt, bias_correction=_bc),
+    )
+for _nesterov, _eps_root in itertools.product((False, True), (0.0, 1e-4)):
+    CASES[f"scale_by_adam-nesterov={_nesterov}-eps_root={_eps_root}"] = _pair(
+        fo.scale_by_adam(0.8, 0.95, 1e-6, _eps_root, nesterov=_nesterov),
+        optax.scale_by_adam(0.8, 0.95, 1e-6, _eps_root, nesterov=_nesterov),
+    )
+for _nesterov in (False, True):
+    CASES[f"trace-nesterov={_nesterov}"] = _pair(
+        fo.trace(0.7, nesterov=_nesterov), optax.trace(0.7, nesterov=_nesterov)
+    )
+for _debias in (False, True):
+    CASES[f"ema-debias={_debias}"] = _pair(
+        fo.ema(0.6, debias=_debias), optax.ema(0.6, debias=_debias)
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transform_matches_optax(case, seed):
+    params = random_params(seed)
+    ours, theirs = CASES[case](params)
+    compare_run(ours, theirs, params, random_grads(seed, params))
+
+
+def test_global_norm_clipping_is_exercised():
+    # The random gradients must sometimes be clipped and sometimes not, or the case above could
+    # not tell clip_by_global_norm(1.0) from identity or from always-rescaling.
+    params = random_params(0)
+    norms = [
+        float(torch.linalg.vector_norm(torch.stack([g.norm() for g in fo.tree.leaves(grads)])))
+        for grads in random_grads(0, params)
+    ]
+    assert min(norms) < 1.0 < max(norms)
+
+
+AGC_SHAPES = {
+    "scalar": (),
+    "vector": (5,),
+    "matrix": (3, 4),
+    "column": (4, 1),
+    "row": (1, 4),
+    "multihead": (2, 3, 4),
+    "squeezable": (1, 1, 4),
+    "conv": (3, 3, 2, 4),
+    "conv3d": (2, 2, 2, 2, 3),  # optax >= 0.2.5 reduces 5-D kernels over axes 0-3
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_adaptive_grad_clip_unit_layout_matches_optax(seed):
+    rng = np.random.default_rng(seed)
+    params = {k: randn(rng, s) for k, s in AGC_SHAPES.items()}
+    params["zeros"] = torch.zeros(3, 2, dtype=torch.float64)  # every unit takes the eps floor
+    grads = [
+        {k: randn(rng, tuple(v.shape)) * 10 ** rng.uniform(-1.5, 0.5) for k, v in params.items()}
+        for _ in range(4)
+    ]
+    ours, theirs = fo.adaptive_grad_clip(0.2, eps=1e-2), optax.adaptive_grad_clip(0.2, eps=1e-2)
+    theirs_update = jax.jit(theirs.update)  # these shapes are not in the eager-kernel cache
+    state = ours.init(params)
+    clipped = kept = 0
+    for g in grads:
+        updates, state = ours.update(g, state, params)
+        expected, _ = theirs_update(to_jax(g), theirs.init(to_jax(params)), to_jax(params))
+        assert_trees_close(updates, expected, "adaptive_grad_clip updates")
+        same = [torch.isclose(u, x) for u, x in zip(updates.values(), g.values(), strict=True)]
+        kept += sum(int(s.sum()) for s in same)
+        clipped += sum(int((~s).sum()) for s in same)
+    assert clipped > 0 and kept > 0
+
+
+# --- schedules ------------------------------------------------------------------------------
+
+COUNTS = [*range(0, 40), 57, 100, 999, 10_000]
+
+SCHEDULES = {
+    "constant": (fo.constant_schedule(0.3), optax.constant_schedule(0.3)),
+    "linear": (fo.linear_schedule(1.0, 0.1, 10), optax.linear_schedule(1.0, 0.1, 10)),
+    "linear_increasing": (fo.linear_schedule(0.0, 2.0, 7), optax.linear_schedule(0.0, 2.0, 7)),
+    "linear_begin": (
+        fo.linear_schedule(1.0, -0.5, 10, transition_begin=5),
+        optax.linear_schedule(1.0, -0.5, 10, transition_begin=5),
+    ),
+    "linear_no_steps": (fo.linear_schedule(0.7, 0.1, 0), optax.linear_schedule(0.7, 0.1, 0)),
+    "linear_negative_begin": (
+        fo.linear_schedule(0.7, 0.1, 5, transition_begin=-3),
+        optax.linear_schedule(0.7, 0.1, 5, transition_begin=-3),
+    ),
+    "cosine": (fo.cosine_decay_schedule(2.0, 15), optax.cosine_decay_schedule(2.0, 15)),
+    "cosine_alpha": (
+        fo.cosine_decay_schedule(2.0, 15, alpha=0.2),
+        optax.cosine_decay_schedule(2.0, 15, alpha=0.2),
+    ),
+    "cosine_alpha_exponent": (
+        fo.cosine_decay_schedule(1.0, 20, alpha=0.1, exponent=2.5),
+        optax.cosine_decay_schedule(1.0, 20, alpha=0.1, exponent=2.5),
+    ),
+    "warmup_cosine": (
+        fo.warmup_cosine_decay_schedule(0.0, 1.0, 5, 20),
+        optax.warmup_cosine_decay_schedule(0.0, 1.0, 5, 20),
+    ),
+    "warmup_cosine_end_exponent": (
+        fo.warmup_cosine_decay_schedule(0.1, 2.0, 4, 30, end_value=0.05, exponent=1.5),
+        optax.warmup_cosine_decay_schedule(0.1, 2.0, 4, 30, end_value=0.05, exponent=1.5),
+    ),
+    "join": (
+        fo.join_schedules(
+            [
+                fo.constant_schedule(1.0),
+                fo.linear_schedule(1.0, 0.0, 5),
+                fo.cosine_decay_schedule(0.5, 9, alpha=0.3),
+            ],
+            [3, 10],
+        ),
+        optax.join_schedules(
+            [
+                optax.constant_schedule(1.0),
+                optax.linear_schedule(1.0, 0.0, 5),
+                optax.cosine_decay_schedule(0.5, 9, alpha=0.3),
+            ],
+            [3, 10],
+        ),
+    ),
+}
+
+
+def _assert_schedule_matches(ours, theirs, counts):
+    for c in counts:
+        # int64 counts: see oracle_utils.x64_schedule.
+        expected = float(np.asarray(theirs(jnp.asarray(c, dtype=jnp.int64))))
+        for count in (torch.tensor(c, dtype=torch.int32), c):
+            value = ours(count)
+            assert isinstance(value, torch.Tensor) and value.dim() == 0
+            np.testing.assert_allclose(
+                value.item(), expected, rtol=1e-12, atol=1e-14, err_msg=f"count {c}"
+            )
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_schedule_matches_optax(name):
+    _assert_schedule_matches(*SCHEDULES[name], COUNTS)
+
+
+_values = st.floats(-5.0, 5.0, allow_nan=False)
+
+
+@settings(max_examples=10, deadline=None, database=None)
+@given(
+    init=_values,
+    end=_values,
+    steps=st.integers(-2, 20),
+    begin=st.integers(-3, 10),
+    alpha=st.floats(0.0, 1.0),
+    decay_steps=st.integers(1, 20),
+    exponent=st.floats(0.5, 3.0),
+    boundary=st.integers(0, 15),
+)
+def test_random_schedules_match_optax(
+    init, end, steps, begin, alpha, decay_steps, exponent, boundary
+):
+    counts = range(0, 40, 3)
+    lin = (
+        fo.linear_schedule(init, end, steps, begin),
+        optax.linear_schedule(init, end, steps, begin),
+    )
+    cos = (
+        fo.cosine_decay_schedule(init, decay_steps, alpha, exponent),
+        optax.cosine_decay_schedule(init, decay_steps, alpha, exponent),
+    )
+    _assert_schedule_matches(*lin, counts)
+    _assert_schedule_matches(*cos, counts)
+    _assert_schedule_matches(
+        fo.join_schedules([lin[0], cos[0]], [boundary]),
+        optax.join_schedules([lin[1], cos[1]], [boundary]),
+        counts,
+    )
+
+
+# --- random tree structures --------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None, database=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_chain_on_random_tree_structures(seed):
+    params = random_params(seed)
+    ours = fo.chain(
+        fo.clip_by_global_norm(2.0),
+        fo.scale_by_adam(b1=0.8, nesterov=True),
+        fo.add_decayed_weights(1e-2),
+        fo.scale_by_learning_rate(0.1),
+    )
+    theirs = optax.chain(
+        optax.clip_by_global_norm(2.0),
+        optax.scale_by_adam(b1=0.8, nesterov=True),
+        optax.add_decayed_weights(1e-2),
+        optax.scale_by_learning_rate(0.1),
+    )
+    compare_run(ours, theirs, params, random_grads(seed, params, steps=STEPS))
