@@ -1,0 +1,116 @@
+"""``DreamerV3Optimizer``: torchrl's DreamerV3 optimizer, on ``functional_opt.dreamerv3``.
+
+A drop-in for ``torchrl.trainers.algorithms.DreamerV3Optimizer`` (torchrl 0.14.1): the same
+signature, options, ``step`` contract and checkpoint layout (per-parameter ``"rms"`` and
+``"momentum"`` in float32 for 16-bit params, a Python-int ``"step"`` per param group), so a
+checkpoint of either loads into the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from functional_opt.dreamerv3 import dreamerv3
+
+from .transform_optimizer import TransformOptimizer, _Layout
+
+__all__ = ["DreamerV3Optimizer"]
+
+_FLOAT_OPTIONS = ("lr", "agc", "parameter_norm_min", "beta1", "beta2", "eps")
+
+
+def _float(value: Any) -> Any:
+    """An int option as a float, so that its injected hyperparameter tensor is a float one."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class DreamerV3Optimizer(TransformOptimizer):
+    """DreamerV3 adaptive gradient clipping, RMS scaling and momentum (Hafner et al. 2023,
+    arXiv:2301.04104), with torchrl's signature and behaviour.
+
+    On update ``t`` (from 1) of a group, per parameter with a gradient ``g`` (in float32 for
+    16-bit params): ``g <- g / max(1, ||g|| / (agc * max(parameter_norm_min, ||p||)))`` (skipped
+    when ``agc == 0``), ``rms <- beta2 rms + (1 - beta2) g^2``,
+    ``r = g / (sqrt(rms / (1 - beta2^t)) + eps)``, ``momentum <- beta1 momentum + (1 - beta1) r``,
+    ``p <- p - lr * min(1, (t - 1) / warmup_steps) * momentum / (1 - beta1^t)`` (no warm-up factor
+    when ``warmup_steps == 0``). This is ``functional_opt.dreamerv3`` run by
+    :class:`TransformOptimizer`.
+
+    Param-group dicts override the keyword defaults (same option names as torchrl); each group
+    counts its own updates in ``group["step"]`` (a Python int, the source of truth for the
+    transform's counters). Params without a gradient are skipped (state kept); a step where no
+    param has a gradient raises ``RuntimeError``; bad option values raise ``ValueError``.
+    Moments are float32 for 16-bit params and in the param's dtype otherwise (torchrl computes
+    float64 params in float32).
+    """
+
+    options: ClassVar[dict[str, str]] = {
+        "lr": "lr",
+        "agc": "agc",
+        "parameter_norm_min": "pmin",
+        "beta1": "beta1",
+        "beta2": "beta2",
+        "eps": "eps",
+        "warmup_steps": "warmup",
+    }
+    state_names: ClassVar[dict[str, str]] = {"nu": "rms", "ema": "momentum"}
+    group_defaults: ClassVar[dict[str, Any]] = {"step": 0}
+    upcast_16bit_grads: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        parameters: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        lr: float = 4e-5,
+        agc: float = 0.3,
+        parameter_norm_min: float = 1e-3,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-20,
+        warmup_steps: int = 1000,
+    ) -> None:
+        super().__init__(
+            parameters,
+            dreamerv3,
+            lr=_float(lr),
+            agc=_float(agc),
+            parameter_norm_min=_float(parameter_norm_min),
+            beta1=_float(beta1),
+            beta2=_float(beta2),
+            eps=_float(eps),
+            warmup_steps=warmup_steps,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its options override the defaults (torchrl's names)."""
+        for key in _FLOAT_OPTIONS:
+            if key in param_group:
+                param_group[key] = _float(param_group[key])
+        super().add_param_group(param_group)
+
+    # The group-level state of dreamerv3 is its update counters, which all equal the number of
+    # updates of the group: torchrl's ``group["step"]`` holds it, and the counters are filled from
+    # it before each update (CPU tensors, no device sync), so torchrl checkpoints load as they are.
+
+    def _init_group_state(self, group: dict[str, Any], layout: _Layout, existing: bool) -> None:
+        step = group.get("step")
+        if isinstance(step, Tensor) and step.dim() == 0 and not step.is_floating_point():
+            step = group["step"] = int(step)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"param group 'step' must be an integer >= 0, got {step!r}")
+        for name, counter in layout.group_template.items():
+            if counter.dim() != 0 or counter.is_floating_point() or counter.dtype == torch.bool:
+                raise TypeError(f"dreamerv3's group-level state {name} is not a counter")
+        layout.scratch = {name: t.clone() for name, t in layout.group_template.items()}
+
+    def _group_state_in(self, group: dict[str, Any], layout: _Layout) -> dict[str, Tensor]:
+        for counter in layout.scratch.values():
+            counter.fill_(group["step"])
+        return layout.scratch
+
+    def _group_state_out(self, group: dict[str, Any], layout: _Layout) -> None:
+        group["step"] += 1

@@ -1,0 +1,360 @@
+"""``MixedPrecisionOptimizationStepper``: torchrl's training-step object on the functional core.
+
+A drop-in for ``torchrl.trainers.MixedPrecisionOptimizationStepper`` (torchrl 0.14.1): the same
+signature, ``step`` contract, metric keys and checkpoint layout (a checkpoint of either loads into
+the other). Loss scaling is :class:`functional_opt.loss_scale.DynamicLossScale` (no
+``torch.amp.GradScaler``), the global norm and finite checks are the core's multi-tensor pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from functional_opt import _lists
+from functional_opt.loss_scale import DynamicLossScale, NoOpLossScale, _reciprocal, all_finite
+
+__all__ = ["MixedPrecisionOptimizationStepper"]
+
+logger = logging.getLogger(__name__)
+
+_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6), at most 1
+# GradScaler has no floor on its scale; DynamicLossScale needs a positive one.
+_MIN_SCALE = float(torch.finfo(torch.float32).tiny)
+
+
+class LossTrainer(Protocol):
+    """What :meth:`MixedPrecisionOptimizationStepper.step` needs from a trainer."""
+
+    def compute_loss(self, sub_batch: Any) -> Any:
+        """A mapping (``TensorDict`` or ``dict``) of loss tensors for ``sub_batch``."""
+
+
+class RegisteringTrainer(Protocol):
+    """What :meth:`MixedPrecisionOptimizationStepper.register` needs from a trainer."""
+
+    def register_module(self, module_name: str, module: Any) -> None:
+        """Record ``module`` for checkpointing under ``module_name``."""
+
+
+def _is_tensordict(value: Any) -> bool:
+    # tensordict is optional: a TensorDict can only exist if its module is already imported.
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(value, td.TensorDictBase)
+
+
+def _mul_(xs: list[Tensor], factor: Tensor) -> None:
+    """``x *= factor`` in place, one multi-tensor kernel where ``torch._foreach_*`` applies."""
+    if not xs:
+        return
+    if _lists.use_foreach(xs):
+        torch._foreach_mul_(xs, factor)
+    else:
+        for x in xs:
+            x.mul_(factor)
+
+
+class MixedPrecisionOptimizationStepper:
+    """Forward under autocast, (loss-scaled) backward, gradient accumulation, clipping and
+    non-finite guards around any ``torch.optim.Optimizer``; torchrl's stepper, on the core.
+
+    Every ``step(trainer, sub_batch)`` runs ``trainer.compute_loss(sub_batch)`` under
+    ``torch.amp.autocast(device_type, enabled=mixed_precision, dtype=autocast_dtype)``, sums the
+    entries whose key starts with ``"loss"``, divides by ``gradient_accumulation_steps`` and
+    back-propagates (times a dynamic loss scale when ``mixed_precision`` and ``autocast_dtype`` is
+    ``torch.float16``; GradScaler's defaults). Every ``gradient_accumulation_steps``-th call it
+    unscales the gradients, clips them to global norm ``clip_norm`` (``None``: no clipping) and
+    steps the optimizer unless the gradient is non-finite, then ``zero_grad(set_to_none=True)``.
+    A non-finite loss drops the whole accumulation window.
+
+    Returns detached scalar metrics: every loss-mapping entry (means of non-scalars);
+    ``grad_norm`` on calls that end a window (pre-clip norm of the unscaled gradient; ``0.0``
+    when a non-finite gradient skipped the step without loss scaling, as torchrl);
+    ``grad_scale`` (the loss scale this call's backward used); ``skipped_nonfinite_steps`` and
+    ``skipped_overflow_steps`` (running totals). A ``TensorDict`` when ``compute_loss`` returned
+    one, else a ``dict``.
+
+    Host synchronisation: one bool read per call. Inside a window it is the loss-finite flag
+    (dropping the window needs it); on the window's last call the loss and gradient flags are
+    read together, because ``optimizer.step()`` of an arbitrary optimizer cannot be masked.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        mixed_precision: bool = False,
+        autocast_dtype: torch.dtype = torch.bfloat16,
+        gradient_accumulation_steps: int = 1,
+        clip_norm: float | None = 1.0,
+        device_type: str | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if not isinstance(mixed_precision, bool):
+            raise ValueError(f"mixed_precision must be a bool, got {mixed_precision!r}")
+        if not isinstance(autocast_dtype, torch.dtype) or not autocast_dtype.is_floating_point:
+            raise ValueError(
+                f"autocast_dtype must be a floating-point torch.dtype, got {autocast_dtype!r}"
+            )
+        if (
+            not isinstance(gradient_accumulation_steps, int)
+            or isinstance(gradient_accumulation_steps, bool)
+            or gradient_accumulation_steps < 1
+        ):
+            raise ValueError(
+                "gradient_accumulation_steps must be an integer >= 1, "
+                f"got {gradient_accumulation_steps!r}"
+            )
+        if clip_norm is not None and (
+            not isinstance(clip_norm, (int, float))
+            or isinstance(clip_norm, bool)
+            or not (math.isfinite(clip_norm) and clip_norm > 0)
+        ):
+            raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}")
+        if device_type is not None and (not isinstance(device_type, str) or not device_type):
+            raise ValueError(
+                f"device_type must be a device type string or None, got {device_type!r}"
+            )
+
+        params = self._params(optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        self.optimizer = optimizer
+        self.mixed_precision = mixed_precision
+        self.autocast_dtype = autocast_dtype
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.device_type = device.type if device_type is None else device_type
+        self._use_loss_scale = mixed_precision and autocast_dtype == torch.float16
+        self._loss_scale: DynamicLossScale | NoOpLossScale = (
+            self._dynamic_scale(device, 2.0**16, 2000, 2.0, 0)
+            if self._use_loss_scale
+            else NoOpLossScale()
+        )
+        self._micro_step = 0  # position in the accumulation window
+        self._optimizer_step_count = 0
+        self._skipped_nonfinite_steps = 0  # dropped windows + non-finite grads without scaling
+        self._skipped_overflow_steps = 0  # loss-scale overflows (fp16)
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def optimizer_step_count(self) -> int:
+        """Completed optimizer steps (no accumulation micro-steps, no skipped steps)."""
+        return self._optimizer_step_count
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | NoOpLossScale:
+        """The current loss-scale object (replaced by ``adjust`` after every optimizer step)."""
+        return self._loss_scale
+
+    def register(self, trainer: RegisteringTrainer, name: str = "optimization_stepper") -> None:
+        """Register with a trainer (``trainer.register_module(name, self)``) for checkpointing."""
+        trainer.register_module(name, self)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, trainer: LossTrainer, sub_batch: Any) -> Any:
+        """One forward and (scaled) backward pass; the optimizer steps every
+        ``gradient_accumulation_steps`` calls. Returns the metrics (see the class docstring)."""
+        with torch.amp.autocast(
+            self.device_type, enabled=self.mixed_precision, dtype=self.autocast_dtype
+        ):
+            losses = trainer.compute_loss(sub_batch)
+            loss = self._total_loss(losses) / self.gradient_accumulation_steps
+        loss_finite = all_finite(loss.detach())
+        grad_scale = self._loss_scale.loss_scale
+
+        if self._micro_step + 1 < self.gradient_accumulation_steps:
+            if not bool(loss_finite):  # host read: a bad loss restarts the window now
+                return self._drop_window(losses, loss, grad_scale)
+            self._backward(loss)
+            self._micro_step += 1
+            return self._metrics(losses, None, grad_scale)
+
+        # Last call of the window: back-propagate even a non-finite loss (its gradient is
+        # discarded below) so that one host read decides everything.
+        self._backward(loss)
+        grads = [p.grad for p in self._params(self.optimizer) if p.grad is not None]
+        if self._use_loss_scale:
+            _mul_(grads, _reciprocal(self._loss_scale.loss_scale))
+        norm = _lists.global_norm(grads)
+        grads_finite = torch.isfinite(norm)  # a NaN/inf element makes the norm non-finite
+        if self.clip_norm is not None:
+            _mul_(grads, torch.clamp(self.clip_norm / (norm + _CLIP_EPS), max=1.0))
+        flags = torch.stack([loss_finite, grads_finite.to(loss_finite.device)])
+        loss_ok, grads_ok = flags.tolist()  # the one host read of this optimizer step
+        if not loss_ok:
+            return self._drop_window(losses, loss, grad_scale)
+
+        self._micro_step = 0
+        if self._use_loss_scale:
+            self._loss_scale = self._loss_scale.adjust(grads_finite)
+        grad_norm = norm.detach().float()
+        if grads_ok:
+            self.optimizer.step()
+            self._optimizer_step_count += 1
+        else:
+            if self._use_loss_scale:
+                self._skipped_overflow_steps += 1
+                logger.debug("Loss-scale overflow: optimizer step skipped, scale reduced.")
+            else:
+                self._skipped_nonfinite_steps += 1
+                logger.warning(
+                    "Skipping optimizer step because the gradient norm is non-finite: %s. "
+                    "Skipped non-finite steps: %d.",
+                    norm.item(),
+                    self._skipped_nonfinite_steps,
+                )
+                grad_norm = torch.zeros((), device=norm.device)  # as torchrl
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._metrics(losses, grad_norm, grad_scale)
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, loss scale (``"scaler"``, GradScaler's layout) and counters; torchrl's
+        keys. Loads with ``torch.load(weights_only=True)``. Raises mid-window."""
+        if self._micro_step != 0:
+            raise RuntimeError(
+                "Cannot save stepper state mid-accumulation "
+                f"(micro_step={self._micro_step}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}): the "
+                "accumulated gradients are not part of a checkpoint. Save after the window's "
+                "last step (align the save interval with gradient_accumulation_steps)."
+            )
+        sd: dict[str, Any] = {
+            "optimizer": self.optimizer.state_dict(),
+            "micro_step": 0,
+            "optimizer_step_count": self._optimizer_step_count,
+            "skipped_nonfinite_steps": self._skipped_nonfinite_steps,
+            "skipped_overflow_steps": self._skipped_overflow_steps,
+        }
+        ls = self._loss_scale
+        if isinstance(ls, DynamicLossScale):
+            sd["scaler"] = {
+                "scale": float(ls.loss_scale),
+                "growth_factor": ls.factor,
+                "backoff_factor": 1.0 / ls.factor,
+                "growth_interval": ls.period,
+                "_growth_tracker": int(ls.counter),
+            }
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; also takes torchrl's stepper checkpoints. Everything is
+        checked before anything changes."""
+        if "optimizer" not in state_dict:
+            raise KeyError("stepper state_dict has no 'optimizer' entry")
+        micro_step = int(state_dict.get("micro_step", 0))
+        if micro_step % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"stepper state_dict was saved mid-accumulation (micro_step={micro_step}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})"
+            )
+        loss_scale = self._loss_scale
+        if isinstance(loss_scale, DynamicLossScale) and "scaler" in state_dict:
+            loss_scale = self._scale_from_dict(state_dict["scaler"], loss_scale.loss_scale.device)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._loss_scale = loss_scale
+        self._micro_step = 0
+        self._optimizer_step_count = int(state_dict.get("optimizer_step_count", 0))
+        self._skipped_nonfinite_steps = int(state_dict.get("skipped_nonfinite_steps", 0))
+        self._skipped_overflow_steps = int(state_dict.get("skipped_overflow_steps", 0))
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    @staticmethod
+    def _dynamic_scale(
+        device: torch.device, scale: float, period: int, factor: float, counter: int
+    ) -> DynamicLossScale:
+        return DynamicLossScale(
+            torch.tensor(scale, dtype=torch.float32, device=device),
+            period,
+            factor,
+            _MIN_SCALE,
+            counter=torch.tensor(counter, dtype=torch.int32, device=device),
+        )
+
+    @classmethod
+    def _scale_from_dict(cls, sd: Mapping[str, Any], device: torch.device) -> DynamicLossScale:
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval"} - set(sd)
+        if missing:
+            raise KeyError(f"stepper state_dict['scaler'] lacks {sorted(missing)}")
+        factor = float(sd["growth_factor"])
+        if not math.isclose(float(sd["backoff_factor"]) * factor, 1.0):
+            raise ValueError(
+                "stepper state_dict['scaler']: backoff_factor must be 1 / growth_factor, got "
+                f"{sd['backoff_factor']!r} and {sd['growth_factor']!r}"
+            )
+        return cls._dynamic_scale(
+            device,
+            float(sd["scale"]),
+            int(sd["growth_interval"]),
+            factor,
+            int(sd.get("_growth_tracker", 0)),
+        )
+
+    @staticmethod
+    def _total_loss(losses: Any) -> Tensor:
+        items = [v for k, v in losses.items() if isinstance(k, str) and k.startswith("loss")]
+        if not items:
+            raise RuntimeError(
+                "compute_loss returned no 'loss*' keys: prefix the entries to optimise with "
+                f"'loss' (got keys {list(losses.keys())})"
+            )
+        total: Tensor = items[0]
+        for item in items[1:]:
+            total = total + item
+        return total
+
+    def _backward(self, loss: Tensor) -> None:
+        scaled: Tensor = self._loss_scale.scale(loss)
+        torch.autograd.backward(scaled)
+
+    def _drop_window(self, losses: Any, loss: Tensor, grad_scale: Tensor) -> Any:
+        self._skipped_nonfinite_steps += 1
+        logger.warning(
+            "Skipping optimization step because the loss is non-finite: %s. "
+            "Skipped non-finite steps: %d.",
+            loss.detach(),
+            self._skipped_nonfinite_steps,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_step = 0
+        return self._metrics(losses, None, grad_scale)
+
+    def _metrics(self, losses: Any, grad_norm: Tensor | None, grad_scale: Tensor) -> Any:
+        out: dict[str, Tensor] = {}
+        for key, value in losses.items():
+            if isinstance(value, Tensor):
+                value = value.detach()
+                out[key] = value.float().mean() if value.numel() > 1 else value
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        out["grad_scale"] = grad_scale.detach().clone()
+        out["skipped_nonfinite_steps"] = torch.tensor(self._skipped_nonfinite_steps)
+        out["skipped_overflow_steps"] = torch.tensor(self._skipped_overflow_steps)
+        if _is_tensordict(losses):
+            return sys.modules["tensordict"].TensorDict(out, [])
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(optimizer={type(self.optimizer).__name__}, "
+            f"mixed_precision={self.mixed_precision}, autocast_dtype={self.autocast_dtype}, "
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
+            f"clip_norm={self.clip_norm}, device_type={self.device_type!r})"
+        )

@@ -1,0 +1,643 @@
+"""``TransformOptimizer``: a ``torch.optim.Optimizer`` that runs any ``GradientTransformation``.
+
+Each step builds the transform's state from the optimizer's storage, calls the pure
+``tx.update`` once per param group (the same math as the functional core, no second
+implementation) and writes the results back in place: ``p += u`` with ``torch._foreach_add_``
+and the new state into the old buffers with ``torch._foreach_copy_``.
+
+State layout (what ``state_dict()`` saves, in torch's own format):
+
+* **Per-parameter state** (moments, accumulators) lives in ``self.state[p]`` under readable
+  names: the shortest unique suffix of its path in the transform's state (``"mu"``, ``"nu"``
+  for Adam), optionally renamed by :attr:`TransformOptimizer.state_names`. It is created on a
+  parameter's first gradient (like torch's optimizers); a parameter that never had a gradient
+  has no entry. The transform is initialised with the group's params wrapped in
+  :class:`ParamSlots`, an optree node in ``functional_opt.tree.NAMESPACE``, so every
+  per-parameter subtree of its state is a ``ParamSlots`` and is told apart from group-level
+  leaves by type, not by guessing from shapes.
+* **Group-level state** (update counters and any other leaf not per parameter) lives in the
+  param-group dict, under ``group["transform_state"]`` (a ``{name: tensor}`` dict). It is one
+  value per group, so it sits where torch keeps per-group data: ``state_dict()`` /
+  ``load_state_dict()`` carry it with the group (``load_state_dict`` deep-copies groups), and
+  ``torch.distributed.checkpoint`` keeps per-parameter state keyed by parameter and param-group
+  entries per group. No per-parameter copies have to be kept consistent.
+* **Hyperparameters** are the group's options (plain Python numbers, what LR schedulers read
+  and write); before every step they are written with ``Tensor.fill_`` into the transform's
+  injected hyperparameter tensors, which are rebuilt from the options rather than saved.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, overload
+
+import optree
+import torch
+from torch import Tensor
+from torch.optim.optimizer import required
+
+from functional_opt import tree
+from functional_opt.base import GradientTransformation
+from functional_opt.checkpoint import state_paths
+from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
+
+__all__ = ["GROUP_STATE_KEY", "ParamSlots", "TransformOptimizer"]
+
+GROUP_STATE_KEY = "transform_state"
+"""Param-group key of the group-level transform state (counters), a ``{name: tensor}`` dict."""
+
+HYPERPARAM_DTYPE = torch.float64
+"""Dtype of injected float hyperparameters: that of the Python floats torch.optim uses."""
+
+
+class ParamSlots(tuple[Any, ...]):
+    """The params (or updates, or one per-parameter state leaf each) of one param group.
+
+    A tuple registered as an optree node in ``functional_opt.tree.NAMESPACE``: the transform is
+    initialised with ``ParamSlots(params)``, so each per-parameter subtree of its state is a
+    ``ParamSlots`` too (one entry per param, ``None`` where a param has no such state).
+    """
+
+    __slots__ = ()
+
+
+optree.register_pytree_node(
+    ParamSlots,
+    lambda s: (tuple(s), None, tuple(range(len(s)))),
+    lambda _, children: ParamSlots(children),
+    namespace=tree.NAMESPACE,
+)
+
+
+def _is_slots(x: Any) -> bool:
+    return isinstance(x, ParamSlots)
+
+
+def _flatten_outer(state: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``state`` down to its ``ParamSlots`` nodes and group-level leaves."""
+    return optree.tree_flatten(
+        state, is_leaf=_is_slots, none_is_leaf=True, namespace=tree.NAMESPACE
+    )
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _short_names(paths: Sequence[tuple[str, ...]]) -> list[str]:
+    """For each path, its shortest suffix that is no other path's suffix (else the whole path)."""
+    out = []
+    for i, path in enumerate(paths):
+        suffix = path
+        for k in range(1, len(path) + 1):
+            suffix = path[-k:]
+            if not any(j != i and other[-k:] == suffix for j, other in enumerate(paths)):
+                break
+        out.append(".".join(suffix))
+    return out
+
+
+@dataclass
+class _Slot:
+    """One leaf of the state structure with ``ParamSlots`` nodes kept whole."""
+
+    kind: str  # "param" (a ParamSlots), "group" (a group-level tensor), "hyper", "none"
+    name: str  # state name ("param"/"group") or factory argument ("hyper")
+
+
+@dataclass
+class _Layout:
+    """How one param group's transform state maps onto the optimizer's storage."""
+
+    group: dict[str, Any]
+    param_ids: list[int]
+    signature: dict[str, tuple[bool, Any]]
+    tx: GradientTransformation
+    spec: optree.PyTreeSpec
+    slots: list[_Slot]
+    hyper: dict[str, Tensor]
+    numeric: dict[str, str]  # group option -> injected hyperparameter (factory argument)
+    stand_ins: list[Tensor]  # meta tensors shaped like the params
+    param_template: list[dict[str, Tensor]]  # per param: state name -> meta tensor
+    group_template: dict[str, Tensor]
+    scratch: dict[str, Tensor] = field(default_factory=dict)
+
+
+class TransformOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` running a ``GradientTransformation``.
+
+    ``transform_or_factory`` is a transform (used as is for every group) or a factory such as
+    ``functional_opt.adam`` or ``functional_opt.dreamerv3``. With a factory, the optimizer's
+    options are the factory's arguments (``defaults`` overrides their defaults; a param-group dict
+    overrides both), except that ``learning_rate`` is exposed as ``lr`` (as in torch.optim, so
+    LR schedulers find it; ``learning_rate=`` is accepted and stored as ``lr``); each group runs
+    ``inject_hyperparams(factory, static_args=<non-numeric options>)(**options)``, and before
+    every step its numeric options (``group["lr"]`` as set by any ``torch.optim.lr_scheduler``)
+    are written into the injected hyperparameter tensors in place. A list option with one entry
+    per param (a mask) and a callable option's list result are passed to the transform as
+    :class:`ParamSlots`, i.e. with the structure of the group's params.
+
+    ``step`` computes ``u = tx.update(g, state, params)`` with ``g = p.grad`` (``None`` for a
+    param without a gradient: no update, its state carried, counters still advance) and applies
+    ``p <- p + u``. Each group keeps its own update counters; a step where no param has a
+    gradient raises ``RuntimeError``. Subclasses may set :attr:`options`, :attr:`state_names`,
+    :attr:`group_defaults` and :attr:`upcast_16bit_grads`.
+    """
+
+    options: ClassVar[Mapping[str, str] | None] = None
+    """Exposed group option -> factory argument. ``None``: every factory argument, under its
+    own name (``learning_rate`` as ``lr``). Arguments left out keep the factory's default."""
+
+    state_names: ClassVar[Mapping[str, str]] = {}
+    """Renames of state entries (e.g. ``{"nu": "rms"}``), applied to the default names."""
+
+    group_defaults: ClassVar[Mapping[str, Any]] = {}
+    """Extra param-group defaults that are not transform options."""
+
+    upcast_16bit_grads: ClassVar[bool] = False
+    """Feed float16/bfloat16 gradients to the transform in float32."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        transform_or_factory: GradientTransformation | Callable[..., GradientTransformation],
+        **defaults: Any,
+    ) -> None:
+        self._layouts: list[_Layout | None] = []
+        if isinstance(transform_or_factory, GradientTransformation):
+            self._factory: Callable[..., GradientTransformation] | None = None
+            self._transform: GradientTransformation | None = transform_or_factory
+            self._option_args: dict[str, str] = {}
+            if defaults:
+                raise TypeError(
+                    f"{type(self).__name__}: options {sorted(defaults)} need a factory (e.g. "
+                    "functional_opt.adam); a ready-made transform has its hyperparameters built in"
+                )
+            all_defaults: dict[str, Any] = {}
+        elif callable(transform_or_factory):
+            self._factory = transform_or_factory
+            self._transform = None
+            self._option_args, factory_defaults = self._factory_options(transform_or_factory)
+            self._rename_learning_rate(defaults)
+            unknown = sorted(set(defaults) - set(self._option_args))
+            if unknown:
+                raise TypeError(
+                    f"{type(self).__name__}: unexpected options {unknown}; the options are "
+                    f"{sorted(self._option_args)}"
+                )
+            all_defaults = {**factory_defaults, **defaults}
+        else:
+            raise TypeError(
+                "transform_or_factory must be a GradientTransformation or a factory returning "
+                f"one, got {type(transform_or_factory).__name__}"
+            )
+        for key, value in self.group_defaults.items():
+            all_defaults.setdefault(key, value)
+        super().__init__(params, all_defaults)
+
+    def _rename_learning_rate(self, options: dict[str, Any]) -> None:
+        """Accept the factory's ``learning_rate`` for the ``lr`` option (stored as ``lr``)."""
+        if self._option_args.get("lr") == "learning_rate" and "learning_rate" in options:
+            if "lr" in options:
+                raise TypeError("give either lr or learning_rate, not both")
+            options["lr"] = options.pop("learning_rate")
+
+    def _factory_options(
+        self, factory: Callable[..., GradientTransformation]
+    ) -> tuple[dict[str, str], dict[str, Any]]:
+        """``{option: factory argument}`` and ``{option: default}`` (``required`` if none)."""
+        parameters = {
+            name: p
+            for name, p in inspect.signature(factory).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and not name.startswith("_")
+        }
+        if self.options is None:
+            mapping = {("lr" if n == "learning_rate" else n): n for n in parameters}
+        else:
+            mapping = dict(self.options)
+            missing = sorted(set(mapping.values()) - set(parameters))
+            if missing:
+                raise TypeError(f"options map to {missing}, which are not arguments of {factory}")
+        defaults = {
+            option: required
+            if parameters[arg].default is inspect.Parameter.empty
+            else parameters[arg].default
+            for option, arg in mapping.items()
+        }
+        return mapping, defaults
+
+    # ----------------------------------------------------------------------------------------
+    # Layout: the transform of a group and where each piece of its state is stored.
+
+    def _signature(self, group: dict[str, Any]) -> dict[str, tuple[bool, Any]]:
+        """Per option: numeric (then its type matters) or static (then its value does)."""
+        out = {}
+        for option in self._option_args:
+            value = group[option]
+            numeric = _is_number(value)
+            out[option] = (True, type(value)) if numeric else (False, value)
+        return out
+
+    def _build_transform(
+        self, group: dict[str, Any], n: int
+    ) -> tuple[GradientTransformation, dict[str, str]]:
+        if self._factory is None:
+            assert self._transform is not None
+            return self._transform, {}
+        factory = self._factory
+        args = {arg: self._adapt(group[option], n) for option, arg in self._option_args.items()}
+        static = [arg for arg, value in args.items() if not _is_number(value)]
+        try:  # Build once from the plain values: the factory validates them.
+            factory(**args)
+        except ValueError as err:
+            renamed = {o: a for o, a in self._option_args.items() if o != a}
+            note = f" (options map to arguments as {renamed})" if renamed else ""
+            raise ValueError(f"{type(self).__name__}: {err}{note}") from err
+        numeric = {o: a for o, a in self._option_args.items() if a not in static}
+        tx = inject_hyperparams(factory, static_args=static, hyperparam_dtype=HYPERPARAM_DTYPE)
+        return tx(**args), numeric
+
+    @staticmethod
+    def _adapt(value: Any, n: int) -> Any:
+        """A per-param list (mask, labels) as ``ParamSlots``; a callable's list result too."""
+        if isinstance(value, list) and len(value) == n:
+            return ParamSlots(value)
+        if callable(value) and not isinstance(value, type):
+            fn = value
+
+            def adapted(*args: Any, **kwargs: Any) -> Any:
+                out = fn(*args, **kwargs)
+                if isinstance(out, (list, tuple)) and len(out) == n:
+                    return ParamSlots(out)
+                return out
+
+            return adapted
+        return value
+
+    def _build_layout(self, group: dict[str, Any]) -> _Layout:
+        params: list[Tensor] = group["params"]
+        tx, numeric = self._build_transform(group, len(params))
+        stand_ins = [torch.empty_like(p, device="meta") for p in params]
+        init = tx.init(ParamSlots(stand_ins))
+        outer, spec = _flatten_outer(init)
+        hyper: dict[str, Tensor] = (
+            dict(init.hyperparams) if isinstance(init, InjectHyperparamsState) else {}
+        )
+        hyper_ids = {id(v): k for k, v in hyper.items()} if numeric else {}
+        paths = state_paths(optree.tree_unflatten(spec, [0] * len(outer)))
+        kinds = []
+        for leaf in outer:
+            if isinstance(leaf, ParamSlots):
+                kinds.append("param")
+            elif leaf is None:
+                kinds.append("none")
+            elif id(leaf) in hyper_ids:
+                kinds.append("hyper")
+            elif isinstance(leaf, Tensor):
+                kinds.append("group")
+            else:
+                raise TypeError(f"state leaf {paths[len(kinds)]} is a {type(leaf).__name__}")
+        names: dict[int, str] = {}
+        for kind in ("param", "group"):
+            index = [i for i, k in enumerate(kinds) if k == kind]
+            short = _short_names([tuple(paths[i].split(".")) for i in index])
+            renamed = [self.state_names.get(s, s) for s in short]
+            if len(set(renamed)) != len(renamed):
+                raise ValueError(f"state names {renamed} are not unique")
+            names.update(zip(index, renamed, strict=True))
+        slots = [
+            _Slot(k, hyper_ids[id(leaf)] if k == "hyper" else names.get(i, ""))
+            for i, (k, leaf) in enumerate(zip(kinds, outer, strict=True))
+        ]
+        param_template: list[dict[str, Tensor]] = [{} for _ in params]
+        group_template: dict[str, Tensor] = {}
+        for slot, leaf in zip(slots, outer, strict=True):
+            if slot.kind == "param":
+                for j, value in enumerate(leaf):
+                    if value is not None and not isinstance(value, Tensor):
+                        raise TypeError(
+                            f"per-parameter state {slot.name} must be one tensor per parameter, "
+                            f"got a {type(value).__name__}"
+                        )
+                    if value is not None:
+                        param_template[j][slot.name] = value
+            elif slot.kind == "group":
+                group_template[slot.name] = leaf
+        if any(t.device.type == "meta" for t in group_template.values()):
+            real, _ = _flatten_outer(tx.init(ParamSlots(params)))
+            group_template = {
+                s.name: v for s, v in zip(slots, real, strict=True) if s.kind == "group"
+            }
+        return _Layout(
+            group=group,
+            param_ids=[id(p) for p in params],
+            signature=self._signature(group),
+            tx=tx,
+            spec=spec,
+            slots=slots,
+            hyper=hyper,
+            numeric=numeric,
+            stand_ins=stand_ins,
+            param_template=param_template,
+            group_template=group_template,
+        )
+
+    def _layout(self, index: int, group: dict[str, Any]) -> _Layout:
+        """The cached layout of a group; rebuilt (and the stored state checked against it) when
+        the group object, its params or its non-numeric options changed."""
+        while len(self._layouts) <= index:
+            self._layouts.append(None)
+        layout = self._layouts[index]
+        if (
+            layout is not None
+            and layout.group is group
+            and [id(p) for p in group["params"]] == layout.param_ids
+            and all(
+                numeric == old[0] and _same(value, old[1])
+                for (numeric, value), old in zip(
+                    self._signature(group).values(), layout.signature.values(), strict=True
+                )
+            )
+        ):
+            return layout
+        layout = self._build_layout(group)
+        self._check_param_states(layout, {p: self.state.get(p, {}) for p in group["params"]})
+        self._init_group_state(group, layout, existing=True)
+        self._layouts[index] = layout
+        return layout
+
+    # ----------------------------------------------------------------------------------------
+    # Group-level state: in ``group[GROUP_STATE_KEY]``; subclasses may store it elsewhere.
+
+    def _init_group_state(self, group: dict[str, Any], layout: _Layout, existing: bool) -> None:
+        """Create ``group``'s group-level state, or (``existing``, or when the group dict
+        brings one) check and normalise the stored one against the layout."""
+        stored = group.get(GROUP_STATE_KEY)
+        if stored is None and not existing:
+            group[GROUP_STATE_KEY] = {k: v.clone() for k, v in layout.group_template.items()}
+            return
+        if not isinstance(stored, dict):
+            raise ValueError(
+                f"param group has no valid {GROUP_STATE_KEY!r} entry (the group-level state "
+                f"{sorted(layout.group_template)}); got {type(stored).__name__}"
+            )
+        checked = _checked(stored, layout.group_template, "group-level state")
+        if not existing:  # a new group bringing its state: never share it with its source
+            checked = {k: v.clone() for k, v in checked.items()}
+        group[GROUP_STATE_KEY] = checked
+
+    def _group_state_in(self, group: dict[str, Any], layout: _Layout) -> dict[str, Tensor]:
+        """The group-level state tensors for this step; the step copies new values into them."""
+        state: dict[str, Tensor] = group[GROUP_STATE_KEY]
+        return state
+
+    def _group_state_out(self, group: dict[str, Any], layout: _Layout) -> None:
+        """Called after each update of ``group`` (the tensors were updated in place)."""
+
+    # ----------------------------------------------------------------------------------------
+    # Per-parameter state.
+
+    @staticmethod
+    def _check_param_states(layout: _Layout, states: Mapping[Tensor, Mapping[str, Any]]) -> None:
+        for j, p in enumerate(layout.group["params"]):
+            entries = states.get(p, {})
+            if not entries:  # no gradient yet: created on its first one
+                continue
+            template = layout.param_template[j]
+            unexpected = sorted(set(entries) - set(template))
+            if unexpected:
+                raise ValueError(
+                    f"parameter {j} of a group has unexpected state {unexpected}; this "
+                    f"optimizer keeps {sorted(template)}"
+                )
+            if len(entries) != len(template):
+                raise ValueError(
+                    f"parameter {j} of a group has state {sorted(entries)}, expected all of "
+                    f"{sorted(template)} or none"
+                )
+            _checked(dict(entries), template, f"state of parameter {j}")
+
+    def _init_param_states(self, layout: _Layout, params: list[Tensor], need: list[int]) -> None:
+        """Fresh per-parameter state for ``params[j]``, ``j`` in ``need`` (first gradient)."""
+        wanted = set(need)
+        try:
+            inputs = [p if j in wanted else layout.stand_ins[j] for j, p in enumerate(params)]
+            outer, _ = _flatten_outer(layout.tx.init(ParamSlots(inputs)))
+        except (RuntimeError, NotImplementedError):  # an init that cannot mix meta tensors
+            outer, _ = _flatten_outer(layout.tx.init(ParamSlots(params)))
+        for slot, leaf in zip(layout.slots, outer, strict=True):
+            if slot.kind == "param":
+                for j in need:
+                    if leaf[j] is not None:
+                        self.state[params[j]][slot.name] = leaf[j]
+
+    # ----------------------------------------------------------------------------------------
+    # Param groups, step, checkpoints.
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch semantics); its options are validated by building its transform."""
+        self._rename_learning_rate(param_group)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        layout = self._build_layout(group)
+        self._init_group_state(group, layout, existing=False)
+        while len(self._layouts) < len(self.param_groups):
+            self._layouts.append(None)
+        self._layouts[len(self.param_groups) - 1] = layout
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every group: ``p <- p + tx.update(p.grad, state, params)``.
+
+        ``closure`` (re-evaluates the model, calls ``backward``, returns the loss) runs first,
+        under ``torch.enable_grad()``; its loss is returned. Raises ``RuntimeError`` when no
+        param has a gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            raise RuntimeError(f"{type(self).__name__}.step: no parameter has a gradient")
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+        return loss
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        layout = self._layout(index, group)
+        params: list[Tensor] = group["params"]
+        grads: list[Tensor | None] = []
+        need = []
+        for j, p in enumerate(params):
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if self.upcast_16bit_grads and g.dtype in (torch.float16, torch.bfloat16):
+                    g = g.float()
+                if len(self.state.get(p, ())) != len(layout.param_template[j]):
+                    need.append(j)
+            grads.append(g)
+        if need:
+            self._init_param_states(layout, params, need)
+        for option, arg in layout.numeric.items():
+            layout.hyper[arg].fill_(group[option])
+        group_state = self._group_state_in(group, layout)
+        outer: list[Any] = []
+        for slot in layout.slots:
+            if slot.kind == "param":
+                outer.append(ParamSlots(_entry(self.state.get(p), slot.name) for p in params))
+            elif slot.kind == "hyper":
+                outer.append(layout.hyper[slot.name])
+            elif slot.kind == "group":
+                outer.append(group_state[slot.name])
+            else:
+                outer.append(None)
+        state = optree.tree_unflatten(layout.spec, outer)
+        updates, new_state = layout.tx.update(ParamSlots(grads), state, ParamSlots(params))
+
+        new_outer, spec = _flatten_outer(new_state)
+        if spec != layout.spec:
+            raise RuntimeError(
+                f"the transform changed its state structure: {layout.spec} -> {spec}"
+            )
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        for slot, old, new in zip(layout.slots, outer, new_outer, strict=True):
+            if slot.kind == "param":
+                for j, (o, n) in enumerate(zip(old, new, strict=True)):
+                    if n is o:
+                        continue
+                    if o is None or n is None:
+                        raise RuntimeError(
+                            f"the transform created or dropped state {slot.name} of parameter {j}"
+                        )
+                    dst.append(o)
+                    src.append(n)
+            elif slot.kind == "group" and new is not old:
+                dst.append(old)
+                src.append(new)
+        if dst:
+            dst_ids = {id(t) for t in dst}
+            src = [s.clone() if id(s) in dst_ids else s for s in src]
+            torch._foreach_copy_(dst, src)
+        new_updates = tree.leaves(updates)
+        present = [(p, u) for p, u in zip(params, new_updates, strict=True) if u is not None]
+        if present:
+            torch._foreach_add_([p for p, _ in present], [u for _, u in present])
+        self._group_state_out(group, layout)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint in torch's layout (see the module docstring).
+
+        Everything is checked against this optimizer's transforms before anything changes; the
+        state tensors are copied (never aliased) and keep the transform's dtypes (e.g. float32
+        moments of bfloat16 params), not torch's default cast to the param's dtype.
+        """
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"])
+            for s, g in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("loaded state dict does not match the optimizer's param groups")
+        originals: dict[Tensor, Mapping[str, Tensor]] = {}
+        candidates = []
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            missing = sorted(set(self._option_args) - set(saved))
+            if missing:
+                raise ValueError(f"a loaded param group lacks the options {missing}")
+            candidate = {**saved, "params": group["params"]}
+            layout = self._build_layout(candidate)
+            for pid, p in zip(saved["params"], group["params"], strict=True):
+                originals[p] = saved_state.get(pid, {})
+            self._check_param_states(layout, originals)
+            self._init_group_state(dict(candidate), layout, existing=True)
+            candidates.append(layout)
+        super().load_state_dict(state_dict)
+        self._layouts = []
+        for layout, group in zip(candidates, self.param_groups, strict=True):
+            layout.group = group
+            self._init_group_state(group, layout, existing=True)
+            for j, p in enumerate(group["params"]):
+                loaded = self.state.pop(p, {})
+                template = layout.param_template[j]
+                entries = {}
+                for name, value in loaded.items():
+                    original = originals[p].get(name)
+                    ref = template[name]
+                    if value.dtype != ref.dtype and original is not None:
+                        value = original  # torch cast it to the param's dtype: undo
+                    entries[name] = value.to(device=p.device, dtype=ref.dtype, copy=True)
+                if entries:
+                    self.state[p] = entries
+            self._layouts.append(layout)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(
+            _factory=self._factory, _transform=self._transform, _option_args=self._option_args
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._layouts = []
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            for key in sorted(group):
+                if key not in ("params", GROUP_STATE_KEY):
+                    lines.append(f"    {key}: {group[key]}")
+        lines.append(")")
+        return "\n".join(lines)
+
+
+def _entry(entries: Mapping[str, Tensor] | None, name: str) -> Tensor | None:
+    return entries.get(name) if entries else None
+
+
+def _checked(
+    stored: dict[str, Any], template: Mapping[str, Tensor], what: str
+) -> dict[str, Tensor]:
+    """``stored`` with the template's names, shapes, dtypes and devices (a copy where it had to
+    change); raises ``ValueError`` naming the first mismatch."""
+    missing = sorted(set(template) - set(stored))
+    extra = sorted(set(stored) - set(template))
+    if missing or extra:
+        raise ValueError(f"{what}: missing {missing}, unexpected {extra}")
+    out = {}
+    for name, ref in template.items():
+        value = stored[name]
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{what}: {name} is a {type(value).__name__}, not a tensor")
+        if value.shape != ref.shape:
+            raise ValueError(
+                f"{what}: {name} has shape {tuple(value.shape)}, expected {tuple(ref.shape)}"
+            )
+        if ref.device.type == "meta":
+            out[name] = value
+        else:
+            out[name] = value.to(device=ref.device, dtype=ref.dtype)
+    return out
