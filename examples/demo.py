@@ -33,7 +33,6 @@ from torch import Tensor, nn
 import functional_opt as fo
 from functional_opt.adapters import DreamerV3Optimizer, MixedPrecisionOptimizationStepper
 
-
 LOSS_TOLERANCE = 0.05
 """Largest relative per-step loss gap allowed between the two DreamerV3 paths."""
 
@@ -256,8 +255,8 @@ def report(runs: list[Run], out: Path, agreement: float, loss_gap: float) -> Non
     verdict = "agree" if loss_gap < LOSS_TOLERANCE else "DIFFER"
     print(
         f"\nDreamerV3 adapter vs functional: {verdict} (losses within {loss_gap:.2%} at every "
-        f"step, tolerance {LOSS_TOLERANCE:.0%}; max |param difference| {agreement:.1e}). Both run bf16\n"
-        "autocast; torch.func.grad and module backward round bf16 gradients in a different order,\n"
+        f"step, tolerance {LOSS_TOLERANCE:.0%}; max |param difference| {agreement:.1e}).\n"
+        "Both run bf16 autocast; torch.func.grad and module backward round bf16 gradients in a different order,\n"
         "and DreamerV3's normalised updates turn last-bit gradient differences into O(lr) steps."
     )
     print(f"Wrote {out / 'metrics.csv'} and {out / 'loss_curves.png'}")

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from functional_opt.adapters import DreamerV3Optimizer, TransformOptimizer
 from torch import nn
 
 import functional_opt as fo
+from functional_opt.adapters import DreamerV3Optimizer, TransformOptimizer
 
 torchrl_algorithms = pytest.importorskip("torchrl.trainers.algorithms")
 TorchRLDreamerV3Optimizer = torchrl_algorithms.DreamerV3Optimizer

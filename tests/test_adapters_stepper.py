@@ -8,12 +8,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import functional_opt.adapters as adapters
 import pytest
 import torch
-from functional_opt.adapters import MixedPrecisionOptimizationStepper
 from torch import nn
 
+import functional_opt.adapters as adapters
+from functional_opt.adapters import MixedPrecisionOptimizationStepper
 from functional_opt.loss_scale import DynamicLossScale, NoOpLossScale
 
 tensordict = pytest.importorskip("tensordict")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import functional_opt.adapters as adapters
 import pytest
 import torch
-from functional_opt.adapters import MixedPrecisionOptimizationStepper
 from torch import nn
+
+import functional_opt.adapters as adapters
+from functional_opt.adapters import MixedPrecisionOptimizationStepper
 
 tensordict = pytest.importorskip("tensordict")
 trainers = pytest.importorskip("torchrl.trainers")

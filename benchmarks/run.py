@@ -1,0 +1,267 @@
+"""Optimizer-step benchmark: ours vs torch.optim, torchrl and optax, side by side in one process.
+
+Every method steps the same parameters and gradients; methods are interleaved round by round and
+the median step time of each is reported as a multiple of ``torch.optim.Adam(fused=True)`` on the
+same workload (absolute times on shared machines are noise, ratios measured together are not).
+torch is pinned to one thread (and JAX/XLA to one CPU thread) so that another process on the
+machine cannot make the spinning OpenMP threads of one method slower than another's.
+
+    python benchmarks/run.py                 # all workloads, writes docs/performance-table.md
+    python benchmarks/run.py --quick         # fewer rounds, smaller workloads
+    python benchmarks/run.py --scaling       # time vs parameter count and tensor count
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import functional_opt as fo
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+Step = Callable[[], None]
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    name: str
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def numel(self) -> int:
+        total = 0
+        for s in self.shapes:
+            n = 1
+            for d in s:
+                n *= d
+            total += n
+        return total
+
+
+def dreamer_mix(scale: float = 1.0) -> list[tuple[int, ...]]:
+    """A DreamerV3-sized mix: 60 weight matrices and 60 vectors, about 12.1M params."""
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(30):
+        shapes += [(int(1024 * scale), 256), (1024,)]
+    for _ in range(20):
+        shapes += [(int(512 * scale), 384), (512,)]
+    for _ in range(10):
+        shapes += [(int(128 * scale), 256), (128,)]
+    return shapes
+
+
+def workloads(quick: bool) -> list[Workload]:
+    s = 0.25 if quick else 1.0
+    return [
+        Workload("W1: 120 tensors, DreamerV3 mix", dreamer_mix(s)),
+        Workload("W2: 2000 tensors x 1000", [(1000,)] * (500 if quick else 2000)),
+        Workload("W3: one tensor of 16.8M", [(int(2**24 * s),)]),
+        Workload("W1-bf16", dreamer_mix(s), torch.bfloat16),
+    ]
+
+
+def make_params(w: Workload, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in w.shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g).to(w.dtype) * 0.1)
+        p.grad = (torch.randn(shape, generator=g) * 0.01).to(w.dtype)
+        params.append(p)
+    return params
+
+
+# ----------------------------------------------------------------------------- methods
+def torch_adam(params: list[torch.nn.Parameter], **kw: bool) -> Step:
+    opt = torch.optim.Adam(params, lr=1e-4, **kw)
+    return lambda: opt.step()
+
+
+def torchrl_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
+    try:
+        from torchrl.trainers.algorithms import DreamerV3Optimizer as TorchRL
+    except ImportError:
+        return None
+    opt = TorchRL(params, lr=1e-4, warmup_steps=0)
+    return lambda: opt.step()
+
+
+def ours_adapter(params: list[torch.nn.Parameter]) -> Step | None:
+    try:
+        from functional_opt.adapters import DreamerV3Optimizer
+    except ImportError:
+        return None
+    opt = DreamerV3Optimizer(params, lr=1e-4, warmup_steps=0)
+    return lambda: opt.step()
+
+
+def ours_functional(params: list[torch.nn.Parameter], compiled: bool = False) -> Step:
+    tx = fo.dreamerv3(lr=1e-4, warmup=0)
+    holder = {"p": [p.detach().clone() for p in params]}
+    grads = [p.grad for p in params]
+    holder["s"] = tx.init(holder["p"])
+    update = torch.compile(tx.update, fullgraph=True) if compiled else tx.update
+
+    def step() -> None:
+        u, holder["s"] = update(grads, holder["s"], holder["p"])
+        holder["p"] = fo.apply_updates(holder["p"], u)
+
+    return step
+
+
+def optax_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        return None
+
+    def clip_by_agc(clip: float = 0.3, pmin: float = 1e-3) -> optax.GradientTransformation:
+        def update(updates, state, params):  # type: ignore[no-untyped-def]
+            def fn(p, u):  # type: ignore[no-untyped-def]
+                upper = clip * jnp.maximum(pmin, jnp.linalg.norm(p.ravel()))
+                return u * (1 / jnp.maximum(1.0, jnp.linalg.norm(u.ravel()) / upper))
+
+            return jax.tree.map(fn, params, updates), state
+
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    tx = optax.chain(
+        clip_by_agc(),
+        optax.scale_by_rms(0.999, 1e-20, eps_in_sqrt=False, bias_correction=True),
+        optax.ema(0.9),
+        optax.scale_by_learning_rate(1e-4),
+    )
+    dtype = jnp.bfloat16 if params[0].dtype == torch.bfloat16 else jnp.float32
+    p = [jnp.asarray(x.detach().float().numpy(), dtype=dtype) for x in params]
+    g = [jnp.asarray(x.grad.float().numpy(), dtype=dtype) for x in params]
+    holder = {"p": p, "s": tx.init(p)}
+
+    @jax.jit
+    def step_fn(p, s, g):  # type: ignore[no-untyped-def]
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def step() -> None:
+        holder["p"], holder["s"] = step_fn(holder["p"], holder["s"], g)
+        jax.block_until_ready(holder["p"])
+
+    return step
+
+
+METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
+    "Adam fused": lambda ps: torch_adam(ps, fused=True),
+    "Adam foreach": lambda ps: torch_adam(ps, foreach=True),
+    "torchrl DreamerV3Optimizer": torchrl_dreamer,
+    "optax DreamerV3 chain (jit)": optax_dreamer,
+    "ours: functional eager": ours_functional,
+    "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
+    "ours: DreamerV3Optimizer": ours_adapter,
+}
+
+
+def copy_bandwidth(numel: int = 2**24, repeats: int = 10) -> float:
+    """Measured bytes/s of a large float32 copy (read + write)."""
+    src = torch.randn(numel)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * 4 * numel / statistics.median(times)
+
+
+def bench(w: Workload, rounds: int, methods: list[str]) -> dict[str, float]:
+    steps: dict[str, Step] = {}
+    for name in methods:
+        params = make_params(w)
+        step = METHODS[name](params)
+        if step is None:
+            continue
+        start = time.perf_counter()
+        step()  # warm-up (and compile)
+        first = time.perf_counter() - start
+        if first > 5:
+            print(f"  {name}: first call {first:.1f} s", file=sys.stderr)
+        steps[name] = step
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            gc.collect()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[str, int]) -> str:
+    names = [*METHODS, "roofline (36 B/param at copy bandwidth)"]
+    lines = [
+        "| method | " + " | ".join(results) + " |",
+        "|---|" + "---|" * len(results),
+    ]
+    for name in names:
+        cells = []
+        for wname, res in results.items():
+            base = res.get("Adam fused")
+            if name.startswith("roofline"):
+                bytes_per = 36 if "bf16" not in wname else 18
+                value = bytes_per * numels[wname] / bandwidth
+            else:
+                value = res.get(name)  # type: ignore[assignment]
+            cells.append("n/a" if value is None or not base else f"{value / base:.2f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        "Fused Adam median step: "
+        + ", ".join(
+            f"{w.split(':')[0]} {1000 * r['Adam fused']:.1f} ms" for w, r in results.items()
+        )
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance-table.md")
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s")
+    results: dict[str, dict[str, float]] = {}
+    numels: dict[str, int] = {}
+    for w in workloads(args.quick):
+        print(f"{w.name} ({w.numel / 1e6:.1f}M params, {len(w.shapes)} tensors)")
+        results[w.name] = bench(w, 5 if args.quick else args.rounds, args.methods)
+        numels[w.name] = w.numel
+    text = table(results, bandwidth, numels)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
