@@ -256,8 +256,9 @@ def report(runs: list[Run], out: Path, agreement: float, loss_gap: float) -> Non
     print(
         f"\nDreamerV3 adapter vs functional: {verdict} (losses within {loss_gap:.2%} at every "
         f"step, tolerance {LOSS_TOLERANCE:.0%}; max |param difference| {agreement:.1e}).\n"
-        "Both run bf16 autocast; torch.func.grad and module backward round bf16 gradients in a different order,\n"
-        "and DreamerV3's normalised updates turn last-bit gradient differences into O(lr) steps."
+        "Both run bf16 autocast; torch.func.grad and module backward round bf16 gradients\n"
+        "in a different order, and DreamerV3's normalised updates turn last-bit gradient\n"
+        "differences into O(lr) steps."
     )
     print(f"Wrote {out / 'metrics.csv'} and {out / 'loss_curves.png'}")
 
