@@ -16,6 +16,7 @@ from torch import Tensor
 
 from functional_opt.dreamerv3 import dreamerv3
 
+from .flat_dreamerv3 import FlatBucket, eligible
 from .transform_optimizer import TransformOptimizer, _Layout
 
 __all__ = ["DreamerV3Optimizer"]
@@ -60,6 +61,10 @@ class DreamerV3Optimizer(TransformOptimizer):
     state_names: ClassVar[dict[str, str]] = {"nu": "rms", "ema": "momentum"}
     group_defaults: ClassVar[dict[str, Any]] = {"step": 0}
     upcast_16bit_grads: ClassVar[bool] = True
+    flat_step: bool = True
+    """Use the fast path (flat buffers, one compiled kernel; see
+    :mod:`functional_opt.adapters.flat_dreamerv3`) for groups of plain dense tensors. Set to
+    ``False`` to run every step through the generic :class:`TransformOptimizer` path."""
 
     def __init__(
         self,
@@ -84,6 +89,70 @@ class DreamerV3Optimizer(TransformOptimizer):
             eps=_float(eps),
             warmup_steps=warmup_steps,
         )
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        params: list[Tensor] = group["params"]
+        buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]]
+        buckets = self.__dict__.setdefault("_buckets", {})
+        if not (self.flat_step and eligible(params, group)):
+            buckets.pop(index, None)  # the generic path may create state outside the buckets
+            super()._step_group(index, group)
+            return
+        self._layout(index, group)  # validates the options as the generic path does
+        step = group["step"] + 1
+        warmup = group["warmup_steps"]
+        lr = group["lr"] * (min(1.0, (step - 1) / warmup) if warmup else 1.0)
+        b1, b2 = group["beta1"], group["beta2"]
+        names = (self.state_names["nu"], self.state_names["ema"])
+        for bucket in self._flat_buckets(index, params, buckets):
+            present = [i for i, p in enumerate(bucket.params) if p.grad is not None]
+            if not present:
+                continue
+            bucket.step(
+                present,
+                lr=lr,
+                bc1=1 - b1**step,
+                bc2=1 - b2**step,
+                agc=group["agc"],
+                pmin=group["parameter_norm_min"],
+                beta1=b1,
+                beta2=b2,
+                eps=group["eps"],
+            )
+            for i in present:
+                entry = self.state[bucket.params[i]]
+                if not entry:
+                    entry[names[0]] = bucket.nu_views[i]
+                    entry[names[1]] = bucket.mu_views[i]
+        group["step"] = step
+
+    def _flat_buckets(
+        self,
+        index: int,
+        params: list[Tensor],
+        buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]],
+    ) -> list[FlatBucket]:
+        """The group's buckets (one per device and dtype), rebuilt when its params changed."""
+        ids = tuple(map(id, params))
+        cached = buckets.get(index)
+        if cached is not None and cached[0] == ids and all(b.intact() for b in cached[1]):
+            return cached[1]
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in params:
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        names = (self.state_names["nu"], self.state_names["ema"])
+        current = []
+        for members in by_kind.values():
+            bucket = FlatBucket(members)
+            bucket.adopt_state(self.state, names)
+            current.append(bucket)
+        buckets[index] = (ids, current)
+        return current
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint (torchrl's layout); the fast path re-adopts the loaded state."""
+        super().load_state_dict(state_dict)
+        self.__dict__.pop("_buckets", None)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its options override the defaults (torchrl's names)."""

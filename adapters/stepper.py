@@ -12,13 +12,16 @@ import logging
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from functional_opt import _lists
 from functional_opt.loss_scale import DynamicLossScale, NoOpLossScale, _reciprocal, all_finite
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["MixedPrecisionOptimizationStepper"]
 
@@ -83,6 +86,15 @@ class MixedPrecisionOptimizationStepper:
     Host synchronisation: one bool read per call. Inside a window it is the loss-finite flag
     (dropping the window needs it); on the window's last call the loss and gradient flags are
     read together, because ``optimizer.step()`` of an arbitrary optimizer cannot be masked.
+
+    Distributed training (DDP, FSDP2): every rank must take the same decisions, or ranks diverge
+    (or hang in the next collective when one rank skips a backward). The gradient norm is already
+    the same everywhere (DDP all-reduces gradients; for FSDP2's ``DTensor`` gradients it is the
+    norm of the whole gradient), but each rank's loss is its own. So the flags are reduced (one
+    ``all_reduce`` MIN of two integers, just before the host read) over ``process_group``:
+    ``"auto"`` (default) means the default group when ``torch.distributed`` is initialized with
+    more than one rank, ``None`` never reduces (ranks that train independently), or a
+    ``ProcessGroup``. Then one rank's non-finite loss or gradient skips the step on every rank.
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class MixedPrecisionOptimizationStepper:
         gradient_accumulation_steps: int = 1,
         clip_norm: float | None = 1.0,
         device_type: str | None = None,
+        process_group: ProcessGroup | Literal["auto"] | None = "auto",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -124,6 +137,17 @@ class MixedPrecisionOptimizationStepper:
             raise ValueError(
                 f"device_type must be a device type string or None, got {device_type!r}"
             )
+        if not (
+            process_group is None
+            or (isinstance(process_group, str) and process_group == "auto")
+            or (
+                torch.distributed.is_available()
+                and isinstance(process_group, torch.distributed.ProcessGroup)
+            )
+        ):
+            raise ValueError(
+                f"process_group must be 'auto', None or a ProcessGroup, got {process_group!r}"
+            )
 
         params = self._params(optimizer)
         device = params[0].device if params else torch.device("cpu")
@@ -133,6 +157,7 @@ class MixedPrecisionOptimizationStepper:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.device_type = device.type if device_type is None else device_type
+        self.process_group = process_group
         self._use_loss_scale = mixed_precision and autocast_dtype == torch.float16
         self._loss_scale: DynamicLossScale | NoOpLossScale = (
             self._dynamic_scale(device, 2.0**16, 2000, 2.0, 0)
@@ -174,7 +199,7 @@ class MixedPrecisionOptimizationStepper:
         grad_scale = self._loss_scale.loss_scale
 
         if self._micro_step + 1 < self.gradient_accumulation_steps:
-            if not bool(loss_finite):  # host read: a bad loss restarts the window now
+            if not bool(self._agree(loss_finite)):  # host read: a bad loss restarts the window
                 return self._drop_window(losses, loss, grad_scale)
             self._backward(loss)
             self._micro_step += 1
@@ -190,7 +215,8 @@ class MixedPrecisionOptimizationStepper:
         grads_finite = torch.isfinite(norm)  # a NaN/inf element makes the norm non-finite
         if self.clip_norm is not None:
             _mul_(grads, torch.clamp(self.clip_norm / (norm + _CLIP_EPS), max=1.0))
-        flags = torch.stack([loss_finite, grads_finite.to(loss_finite.device)])
+        flags = self._agree(torch.stack([loss_finite, grads_finite.to(loss_finite.device)]))
+        grads_finite = flags[1]
         loss_ok, grads_ok = flags.tolist()  # the one host read of this optimizer step
         if not loss_ok:
             return self._drop_window(losses, loss, grad_scale)
@@ -319,6 +345,21 @@ class MixedPrecisionOptimizationStepper:
         for item in items[1:]:
             total = total + item
         return total
+
+    def _agree(self, flags: Tensor) -> Tensor:
+        """``flags`` (bool) reduced with AND over ``process_group``'s ranks (unchanged when there
+        is nothing to reduce over)."""
+        group = self.process_group
+        if isinstance(group, str):  # "auto"
+            dist = torch.distributed
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+                return flags
+            group = dist.group.WORLD
+        if group is None:
+            return flags
+        as_int = flags.to(torch.int32)  # MIN of 0/1 is AND, on every backend
+        torch.distributed.all_reduce(as_int, op=torch.distributed.ReduceOp.MIN, group=group)
+        return as_int.bool()
 
     def _backward(self, loss: Tensor) -> None:
         scaled: Tensor = self._loss_scale.scale(loss)

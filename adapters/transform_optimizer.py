@@ -3,7 +3,8 @@
 Each step builds the transform's state from the optimizer's storage, calls the pure
 ``tx.update`` once per param group (the same math as the functional core, no second
 implementation) and writes the results back in place: ``p += u`` with ``torch._foreach_add_``
-and the new state into the old buffers with ``torch._foreach_copy_``.
+and the new state into the old buffers with ``torch._foreach_copy_`` (for ``DTensor`` params and
+state, e.g. under FSDP2, on their local shards).
 
 State layout (what ``state_dict()`` saves, in torch's own format):
 
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import required
 
-from functional_opt import tree
+from functional_opt import _lists, tree
 from functional_opt.base import GradientTransformation
 from functional_opt.checkpoint import state_paths
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
@@ -539,11 +540,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         if dst:
             dst_ids = {id(t) for t in dst}
             src = [s.clone() if id(s) in dst_ids else s for s in src]
-            torch._foreach_copy_(dst, src)
+            torch._foreach_copy_(*_local_pairs(dst, src))
         new_updates = tree.leaves(updates)
         present = [(p, u) for p, u in zip(params, new_updates, strict=True) if u is not None]
         if present:
-            torch._foreach_add_([p for p, _ in present], [u for _, u in present])
+            torch._foreach_add_(*_local_pairs([p for p, _ in present], [u for _, u in present]))
         self._group_state_out(group, layout)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -612,6 +613,28 @@ class TransformOptimizer(torch.optim.Optimizer):
                     lines.append(f"    {key}: {group[key]}")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _local_pairs(dst: list[Tensor], src: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """``dst`` and ``src`` for an in-place multi-tensor op ``d <- f(d, s)``, with each ``DTensor``
+    pair as its local shards (``src`` redistributed to ``dst``'s placements first where they
+    differ): ``torch._foreach_copy_`` has no ``DTensor`` rule, and the local op skips the
+    ``DTensor`` dispatch. Plain tensors pass through. Call under ``torch.no_grad()`` (then
+    ``to_local()`` is the shard itself, so writing it writes the ``DTensor``)."""
+    dtensor = _lists.dtensor_type()
+    if dtensor is None:
+        return dst, src
+    out_dst: list[Tensor] = []
+    out_src: list[Tensor] = []
+    for d, s in zip(dst, src, strict=True):
+        if isinstance(d, dtensor) and isinstance(s, dtensor):
+            mesh, placements = d.device_mesh, d.placements  # type: ignore[attr-defined]
+            if s.device_mesh != mesh or s.placements != placements:  # type: ignore[attr-defined]
+                s = s.redistribute(mesh, placements)  # type: ignore[attr-defined]
+            d, s = d.to_local(), s.to_local()  # type: ignore[attr-defined]
+        out_dst.append(d)
+        out_src.append(s)
+    return out_dst, out_src
 
 
 def _entry(entries: Mapping[str, Tensor] | None, name: str) -> Tensor | None:

@@ -1,16 +1,25 @@
 """Elementwise math over lists of tensors: one multi-tensor kernel per op, or one op per leaf.
 
-The fast path calls ``torch._foreach_*`` (which groups tensors by device and dtype internally).
-Tensors that ``torch._foreach_*`` cannot take (tensors wrapped by ``torch.func.vmap``/``grad``,
-tensor subclasses such as ``DTensor``) go through the plain per-tensor path, which computes the
-same formula op by op. All functions are pure: they return new tensors and never write into their
-arguments. Ops with a scalar (``mul``, ``add_scalar``, ``div_scalar``) keep each tensor's dtype
-even for 0-d tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dtype.
+The fast path calls ``torch._foreach_*`` (which groups tensors by device and dtype internally)
+on lists of plain tensors or of ``DTensor``s (whose ``_foreach_*`` ops run shard-wise, as
+``torch.optim`` uses them under FSDP2). Other lists (tensors wrapped by ``torch.func.vmap``/
+``grad``, other tensor subclasses, plain tensors mixed with ``DTensor``s) go through the plain
+per-tensor path, which computes the same formula op by op. All functions are pure: they return new
+tensors and never write into their arguments.
+
+Reductions of a ``DTensor`` (``norms``, ``global_norm``, ``all_finite``) return **full values**:
+plain tensors, equal on every rank, of the whole logical tensor (not the local shard), combined
+with one collective per device mesh; they mix with sharded tensors as 0-d scalars.
+
+Ops with a scalar (``mul``, ``add_scalar``, ``div_scalar``) keep each tensor's dtype even for 0-d
+tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dtype.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,11 +30,46 @@ Scalar = float | Tensor
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def dtensor_type() -> type[Tensor] | None:
+    """The ``DTensor`` class if ``torch.distributed.tensor`` is loaded, else ``None`` (then no
+    ``DTensor`` can exist; checking costs no import)."""
+    module: Any = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor  # type: ignore[no-any-return]
+
+
 def use_foreach(xs: Sequence[Tensor]) -> bool:
-    """True when ``torch._foreach_*`` can run on ``xs`` (plain tensors, no functorch wrapping)."""
+    """True when ``torch._foreach_*`` can run on ``xs``: all plain tensors (no functorch
+    wrapping) or all ``DTensor``s."""
     if torch.compiler.is_compiling():
         return True
-    return all(type(x) in (Tensor, torch.nn.Parameter) and not _is_wrapped(x) for x in xs)
+    if all(type(x) in _PLAIN and not _is_wrapped(x) for x in xs):
+        return True
+    dtensor = dtensor_type()
+    return dtensor is not None and all(type(x) is dtensor for x in xs)
+
+
+def full_values(xs: Sequence[Tensor]) -> list[Tensor]:
+    """``xs`` with each ``DTensor`` (e.g. a norm, partial over shards) replaced by its full value:
+    a plain tensor, the same on every rank. The ``DTensor`` entries of one device mesh,
+    placements, dtype and shape are stacked and resolved with one collective; plain tensors are
+    returned as they are."""
+    dtensor = dtensor_type()
+    out = list(xs)
+    if dtensor is None:
+        return out
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, x in enumerate(xs):
+        if isinstance(x, dtensor):
+            key = (x.device_mesh, x.placements, x.dtype, x.shape)  # type: ignore[attr-defined]
+            groups.setdefault(key, []).append(i)
+    for index in groups.values():
+        full = torch.stack([xs[i] for i in index]).full_tensor()  # type: ignore[attr-defined]
+        for i, value in zip(index, full.unbind(), strict=True):
+            out[i] = value
+    return out
 
 
 def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:
@@ -145,13 +189,14 @@ def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
 
 
 def norms(xs: Sequence[Tensor]) -> list[Tensor]:
-    """The L2 norm of each tensor (0-d tensors), computed in at least float32."""
+    """The L2 norm of each tensor (0-d tensors), computed in at least float32; for a ``DTensor``
+    the norm of the whole tensor, as a plain tensor (see :func:`full_values`)."""
     if not xs:
         return []
     xs = [x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in xs]
     if use_foreach(xs):
-        return list(torch._foreach_norm(list(xs)))
-    return [torch.linalg.vector_norm(x) for x in xs]
+        return full_values(torch._foreach_norm(list(xs)))
+    return full_values([torch.linalg.vector_norm(x) for x in xs])
 
 
 def stack(xs: Sequence[Tensor]) -> Tensor:
@@ -171,10 +216,18 @@ def global_norm(xs: Sequence[Tensor]) -> Tensor:
 
 
 def all_finite(xs: Sequence[Tensor]) -> Tensor:
-    """A 0-d bool tensor: every element of every tensor is finite."""
+    """A 0-d bool tensor: every element of every tensor is finite. For ``DTensor``s, of every
+    shard on every rank (the non-finite elements are counted and the counts summed across ranks
+    with one collective per device mesh), so all ranks get the same flag."""
     if not xs:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack([torch.isfinite(x).all() for x in xs]).all()
+    dtensor = dtensor_type()
+    if dtensor is None or not any(isinstance(x, dtensor) for x in xs):
+        return torch.stack([torch.isfinite(x).all() for x in xs]).all()
+    flags = [torch.isfinite(x).all() for x in xs if not isinstance(x, dtensor)]
+    counts = [torch.isfinite(x).logical_not().sum() for x in xs if isinstance(x, dtensor)]
+    flags.append(torch.stack(full_values(counts)).sum() == 0)
+    return torch.stack(flags).all()
 
 
 def where(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:

@@ -40,7 +40,7 @@ def positive(name: str, value: Any) -> None:
 
 def at_least(name: str, value: Any, low: float) -> None:
     """Raises ``ValueError`` unless ``value >= low``."""
-    _check(name, value, _is_number(value) and value >= low, f">= {low}")
+    _check(name, value, _is_number(value) and value >= low and math.isfinite(value), f">= {low}")
 
 
 def unit_interval(name: str, value: Any) -> None:

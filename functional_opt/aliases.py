@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from functional_opt import _validate
 from functional_opt.base import GradientTransformation, Params, chain, identity
 from functional_opt.schedules import Schedule
 from functional_opt.transforms.moments import scale_by_adam, trace
@@ -65,6 +66,8 @@ def sgd(
     accumulator_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """SGD, with optional (Nesterov) momentum: ``m <- g + momentum * m``; ``u = -lr * m``."""
+    if momentum is not None:
+        _validate.unit_interval("momentum", momentum)
     return chain(
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),

@@ -137,7 +137,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``p + u`` leaf by leaf, cast back to each param's dtype; a ``None`` update keeps ``p``."""
     pvals, spec = tree.flatten(params)
-    where = tree.Leaves(pvals, spec, params)
+    where = tree.Leaves(pvals, spec, params, "params")
     uvals = where.flat(updates, "updates")
     idx = [
         i

@@ -44,6 +44,8 @@ def dreamerv3_schedule(
     ``lr * (0.9 * 0.5 * (1 + cos(pi * min(s, T) / T)) + 0.1)``. ``T <= 0`` gives ``lr``.
     Works with tensor hyperparameters (no Python branching on their values).
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
     def fn(count: int | Tensor) -> Tensor:
         t = torch.as_tensor(count).to(torch.float64)

@@ -125,6 +125,11 @@ def warmup_cosine_decay_schedule(
     decay to ``end_value`` at ``decay_steps`` (counted from 0, warm-up included)."""
     _validate.finite("peak_value", peak_value)
     _validate.finite("end_value", end_value)
+    if not decay_steps > warmup_steps:
+        raise ValueError(
+            f"decay_steps must be > warmup_steps, got decay_steps={decay_steps!r}, "
+            f"warmup_steps={warmup_steps!r}"
+        )
     alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
     return join_schedules(
         [

@@ -86,14 +86,18 @@ def _path_sort_key(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(repr(p) for p in path)
 
 
-def _node_types(tree: PyTree, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], type]]:
-    out: list[tuple[tuple[Any, ...], type]] = [(prefix, type(tree))]
+def _node_types(
+    tree: PyTree, prefix: tuple[Any, ...] = ()
+) -> list[tuple[tuple[Any, ...], type | None]]:
+    # Leaves are recorded as ``None``: only node types are structure (a bool mask leaf and a
+    # tensor leaf, or ``None`` and a tensor, sit at the same place in the same structure).
     if tree is None or isinstance(tree, Tensor):
-        return out
+        return [(prefix, None)]
     try:
         flat = optree.tree_flatten_one_level(tree, none_is_leaf=True, namespace=NAMESPACE)
     except (ValueError, TypeError):
-        return out
+        return [(prefix, None)]
+    out: list[tuple[tuple[Any, ...], type | None]] = [(prefix, type(tree))]
     for entry, child in zip(flat.entries, flat.children, strict=True):
         out.extend(_node_types(child, (*prefix, entry)))
     return out
@@ -105,12 +109,15 @@ class Leaves:
     Built by :func:`split`. ``index`` lists the flat positions of the present updates.
     """
 
-    __slots__ = ("index", "reference", "spec", "values")
+    __slots__ = ("index", "kind", "reference", "spec", "values")
 
-    def __init__(self, values: list[Any], spec: optree.PyTreeSpec, reference: PyTree) -> None:
+    def __init__(
+        self, values: list[Any], spec: optree.PyTreeSpec, reference: PyTree, kind: str = "updates"
+    ) -> None:
         self.values = values
         self.spec = spec
         self.reference = reference
+        self.kind = kind  # what ``reference`` is, for error messages
         self.index = [i for i, v in enumerate(values) if v is not None]
 
     def flat(self, tree: PyTree, name: str) -> list[Any]:
@@ -119,8 +126,8 @@ class Leaves:
         if spec != self.spec:
             where = first_difference(self.reference, tree)
             raise ValueError(
-                f"{name} does not have the structure of the updates: they first differ at "
-                f"{where} (updates: {self.spec}, {name}: {spec})"
+                f"{name} does not have the structure of the {self.kind}: they first differ at "
+                f"{where} ({self.kind}: {self.spec}, {name}: {spec})"
             )
         return values
 

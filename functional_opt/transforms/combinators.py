@@ -29,11 +29,37 @@ def _expand(labels: PyTree | Callable[[Params], PyTree], reference: PyTree, what
             labels, reference, none_is_leaf=True, namespace=tree.NAMESPACE
         )
     except ValueError as err:
-        where = tree.first_difference(labels, reference)
+        path = _prefix_difference(labels, reference)
+        where = tree.first_difference(labels, reference) if path is None else tree.path_str(path)
         raise ValueError(
             f"{what} does not match the structure of the params (first difference at {where})"
         ) from err
     return tree.leaves(full)
+
+
+def _prefix_difference(
+    prefix: PyTree, full: PyTree, path: tuple[Any, ...] = ()
+) -> tuple[Any, ...] | None:
+    """Path of the first node of ``prefix`` that does not match ``full`` (a leaf of ``prefix``
+    matches any subtree), or ``None`` when ``prefix`` is a prefix of ``full``."""
+    kw: dict[str, Any] = {"none_is_leaf": True, "namespace": tree.NAMESPACE}
+    if optree.tree_is_leaf(prefix, **kw):
+        return None
+    if optree.tree_is_leaf(full, **kw) or type(prefix) is not type(full):
+        return path
+    a = optree.tree_flatten_one_level(prefix, **kw)
+    b = optree.tree_flatten_one_level(full, **kw)
+    ea, eb = list(a.entries), list(b.entries)
+    for x, y in zip(ea, eb, strict=False):
+        if x != y:
+            return (*path, min(x, y, key=repr))
+    if len(ea) != len(eb):
+        return (*path, (ea if len(ea) > len(eb) else eb)[min(len(ea), len(eb))])
+    for entry, ca, cb in zip(ea, a.children, b.children, strict=True):
+        found = _prefix_difference(ca, cb, (*path, entry))
+        if found is not None:
+            return found
+    return None
 
 
 def _select(values: list[Any], keep: list[bool]) -> list[Any]:

@@ -1,0 +1,436 @@
+"""Invariants that hold for every transform: inputs are never mutated, ``None`` updates mean "no
+gradient" (update ``None``, per-parameter state carried over, global counters advance, global
+norms ignore them), state dtypes are stable, checkpoints round-trip, counters saturate, and
+dtypes follow the contract (``apply_updates``, DreamerV3 with 16-bit params, ``MultiSteps``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import Problem, assert_tree_close, problems, tleaves, tmap
+
+import functional_opt as fo
+from functional_opt.loss_scale import DynamicLossScale, StaticLossScale
+
+SETTINGS = settings(max_examples=5, deadline=None)
+INT32_MAX = 2**31 - 1
+
+
+def _dims_mask(p: Any) -> Any:
+    return fo.tree.map_params(lambda x: x.dim() > 0, p)
+
+
+def _parity_labels(p: Any) -> Any:
+    return fo.tree.map_params(lambda x: "even" if x.dim() % 2 == 0 else "odd", p)
+
+
+def _inv_count(c: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + c.to(torch.float64))
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "identity": fo.identity,
+    "scale": lambda: fo.scale(-0.5),
+    "scale_by_learning_rate": lambda: fo.scale_by_learning_rate(0.1),
+    "scale_by_learning_rate_schedule": lambda: fo.scale_by_learning_rate(
+        fo.linear_schedule(0.1, 0.01, 5)
+    ),
+    "scale_by_schedule": lambda: fo.scale_by_schedule(_inv_count),
+    "clip": lambda: fo.clip(0.3),
+    "clip_by_global_norm": lambda: fo.clip_by_global_norm(0.5),
+    "adaptive_grad_clip": lambda: fo.adaptive_grad_clip(0.05),
+    "clip_by_agc": lambda: fo.clip_by_agc(0.1),
+    "scale_by_rms": lambda: fo.scale_by_rms(),
+    "scale_by_rms_eps_outside": lambda: fo.scale_by_rms(0.8, 1e-3, eps_in_sqrt=False),
+    "scale_by_rms_debiased": lambda: fo.scale_by_rms(0.8, bias_correction=True),
+    "scale_by_rms_eps_outside_debiased": lambda: fo.scale_by_rms(
+        0.8, 1e-6, 0.5, eps_in_sqrt=False, bias_correction=True
+    ),
+    "scale_by_adam": lambda: fo.scale_by_adam(),
+    "scale_by_adam_nesterov": lambda: fo.scale_by_adam(0.8, 0.9, nesterov=True),
+    "scale_by_adam_mu_dtype": lambda: fo.scale_by_adam(mu_dtype=torch.float32),
+    "trace": lambda: fo.trace(0.9),
+    "trace_nesterov": lambda: fo.trace(0.5, nesterov=True),
+    "ema": lambda: fo.ema(0.9),
+    "ema_no_debias": lambda: fo.ema(0.7, debias=False),
+    "add_decayed_weights": lambda: fo.add_decayed_weights(0.1),
+    "add_decayed_weights_mask": lambda: fo.add_decayed_weights(0.1, _dims_mask),
+    "masked": lambda: fo.masked(fo.scale_by_adam(), _dims_mask),
+    "partition": lambda: fo.partition(
+        {"even": fo.trace(0.9), "odd": fo.scale_by_adam()}, _parity_labels
+    ),
+    "apply_if_finite": lambda: fo.apply_if_finite(fo.scale_by_adam(), 2),
+    "multi_steps": lambda: fo.MultiSteps(fo.scale_by_adam(), 3).gradient_transformation(),
+    "multi_steps_sum": lambda: fo.multi_steps(fo.trace(0.9), 2, use_grad_mean=False),
+    "inject_hyperparams_adam": lambda: fo.inject_hyperparams(fo.adam)(learning_rate=0.1),
+    "inject_hyperparams_dreamerv3": lambda: fo.inject_hyperparams(fo.dreamerv3)(lr=0.01, warmup=2),
+    "dreamerv3": lambda: fo.dreamerv3(1e-2, warmup=2),
+    "dreamerv3_full": lambda: fo.dreamerv3(
+        1e-2,
+        nesterov=True,
+        weight_decay=0.1,
+        weight_decay_mask=_dims_mask,
+        schedule="cosine",
+        warmup=1,
+        anneal=6,
+    ),
+    "dreamerv3_no_momentum": lambda: fo.dreamerv3(1e-2, momentum=False, schedule="linear"),
+    "adam": lambda: fo.adam(0.1),
+    "adamw": lambda: fo.adamw(0.1, weight_decay=0.1),
+    "sgd": lambda: fo.sgd(0.1, momentum=0.9, nesterov=True),
+    "chain": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(0.1)),
+    "named_chain": lambda: fo.named_chain(("clip", fo.clip(1.0)), ("opt", fo.sgd(0.1, 0.9))),
+}
+NAMES = sorted(CASES)
+
+
+def snapshot(tree: Any) -> list[tuple[Any, ...]]:
+    """(clone, dtype, version counter) of every tensor leaf, ``None`` kept."""
+    out: list[tuple[Any, ...]] = []
+    for x in optree.tree_leaves(tree, none_is_leaf=True, namespace=fo.tree.NAMESPACE):
+        if isinstance(x, torch.Tensor):
+            out.append((x.detach().clone(), x.dtype, x._version))
+        else:
+            out.append((x,))
+    return out
+
+
+def assert_unchanged(tree: Any, before: list[tuple[Any, ...]], what: str) -> None:
+    now = optree.tree_leaves(tree, none_is_leaf=True, namespace=fo.tree.NAMESPACE)
+    assert len(now) == len(before), what
+    for i, (x, old) in enumerate(zip(now, before, strict=True)):
+        if isinstance(x, torch.Tensor):
+            clone, dtype, version = old
+            assert x.dtype == dtype, f"{what}: leaf {i} changed dtype"
+            assert x._version == version, f"{what}: leaf {i} was written in place"
+            assert torch.equal(x, clone) or (x.isnan() == clone.isnan()).all(), (
+                f"{what}: leaf {i} changed value"
+            )
+        else:
+            assert x is old[0], f"{what}: leaf {i} replaced"
+
+
+def layout(state: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {k: (v.shape, v.dtype) for k, v in fo.state_to_dict(state).items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@SETTINGS
+@given(problem=problems(min_steps=4, max_steps=4))
+def test_inputs_never_mutated_and_state_layout_stable(name: str, problem: Problem) -> None:
+    tx = CASES[name]()
+    params_before = snapshot(problem.params)
+    state = tx.init(problem.params)
+    assert_unchanged(problem.params, params_before, "params after init")
+    first = layout(state)
+    for t, g in enumerate(problem.grads):
+        before = (snapshot(g), snapshot(state), snapshot(problem.params))
+        updates, new_state = tx.update(g, state, problem.params)
+        assert_unchanged(g, before[0], f"updates at step {t}")
+        assert_unchanged(state, before[1], f"state at step {t}")
+        assert_unchanged(problem.params, before[2], f"params at step {t}")
+        assert layout(new_state) == first, f"state layout changed at step {t}"
+        assert optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(
+            g, none_is_leaf=True
+        )
+        for u, x in zip(tleaves(updates), tleaves(g), strict=True):
+            assert u.dtype == x.dtype and u.shape == x.shape
+        state = new_state
+
+
+def with_frozen(problem: Problem, gen: torch.Generator, shape: tuple[int, ...]) -> Any:
+    return {
+        "frozen": torch.randn(shape, generator=gen, dtype=torch.float64),
+        "rest": problem.params,
+    }
+
+
+def frozen_keys(d: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k in d if "frozen" in k.split(".")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@SETTINGS
+@given(problem=problems(min_steps=4, max_steps=4), shape=st.sampled_from([(), (3,), (2, 3)]))
+def test_none_leaf_is_like_an_absent_parameter(
+    name: str, problem: Problem, shape: tuple[int, ...]
+) -> None:
+    """A parameter whose update is always ``None`` behaves as if it were not there: the other
+    updates and state entries (global counters and global norms included) match a run without
+    it, its update is ``None`` and its own state stays at its initial value."""
+    tx = CASES[name]()
+    gen = torch.Generator().manual_seed(problem.seed)
+    full_params = with_frozen(problem, gen, shape)
+    reduced_params = {"rest": problem.params}
+    full = tx.init(full_params)
+    reduced = tx.init(reduced_params)
+    initial = fo.state_to_dict(full)
+    for t, g in enumerate(problem.grads):
+        u_full, full = tx.update({"frozen": None, "rest": g}, full, full_params)
+        u_red, reduced = tx.update({"rest": g}, reduced, reduced_params)
+        assert u_full["frozen"] is None, f"step {t}"
+        assert_tree_close(u_full["rest"], u_red["rest"], rtol=1e-14, atol=0, msg=f"step {t}")
+        d_full, d_red = fo.state_to_dict(full), fo.state_to_dict(reduced)
+        assert set(d_full) - frozen_keys(d_full) == set(d_red)
+        for k, v in d_red.items():
+            torch.testing.assert_close(d_full[k], v, rtol=1e-14, atol=0, msg=f"{k} at step {t}")
+        for k in frozen_keys(d_full):
+            assert torch.equal(d_full[k], initial[k]), f"{k} changed at step {t}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@SETTINGS
+@given(problem=problems(min_steps=5, max_steps=5), shape=st.sampled_from([(), (4,), (2, 2)]))
+def test_none_leaf_carries_state_and_counters_advance(
+    name: str, problem: Problem, shape: tuple[int, ...]
+) -> None:
+    """A parameter that had gradients and then gets ``None``: its state entries keep their last
+    values, and the global counters advance exactly as when every update is present."""
+    tx = CASES[name]()
+    gen = torch.Generator().manual_seed(problem.seed)
+    params = with_frozen(problem, gen, shape)
+    frozen_grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in problem.grads]
+    sparse = dense = tx.init(params)
+    for t, g in enumerate(problem.grads):
+        present = t < 2
+        before = fo.state_to_dict(sparse)
+        u, sparse = tx.update(
+            {"frozen": frozen_grads[t] if present else None, "rest": g}, sparse, params
+        )
+        _, dense = tx.update({"frozen": frozen_grads[t], "rest": g}, dense, params)
+        after, d_dense = fo.state_to_dict(sparse), fo.state_to_dict(dense)
+        if not present:
+            assert u["frozen"] is None
+            for k in frozen_keys(after):
+                assert torch.equal(after[k], before[k]), f"{k} changed at step {t}"
+        for k, v in after.items():
+            if not v.is_floating_point():
+                assert torch.equal(v, d_dense[k]), f"counter {k} at step {t}"
+
+
+def test_global_norm_ignores_none_leaves() -> None:
+    g = {"a": torch.tensor([3.0, 0.0]), "b": None, "c": torch.tensor(4.0)}
+    u, _ = fo.clip_by_global_norm(1.0).update(g, fo.EmptyState())
+    assert u["b"] is None
+    torch.testing.assert_close(u["a"], torch.tensor([0.6, 0.0]))
+    torch.testing.assert_close(u["c"], torch.tensor(0.8))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@SETTINGS
+@given(problem=problems(min_steps=6, max_steps=6))
+def test_checkpoint_round_trip(name: str, problem: Problem) -> None:
+    tx = CASES[name]()
+    state = tx.init(problem.params)
+    for g in problem.grads[:3]:
+        _, state = tx.update(g, state, problem.params)
+    buffer = io.BytesIO()
+    torch.save(fo.state_to_dict(state), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    restored = fo.state_from_dict(tx.init(problem.params), loaded)
+    assert layout(restored) == layout(state)
+    for t, g in enumerate(problem.grads[3:]):
+        u, state = tx.update(g, state, problem.params)
+        u2, restored = tx.update(g, restored, problem.params)
+        assert_tree_close(u2, u, rtol=0, atol=0, msg=f"step {t}")
+    for k, v in fo.state_to_dict(state).items():
+        assert torch.equal(fo.state_to_dict(restored)[k], v), k
+
+
+def test_checkpoint_round_trip_with_loss_scales() -> None:
+    params = {"w": torch.ones(3)}
+    state = (fo.adam(0.1).init(params), DynamicLossScale(8.0, period=3), StaticLossScale(4.0))
+    ls = state[1].adjust(torch.tensor(True)).adjust(torch.tensor(True))
+    state = (state[0], ls, state[2])
+    buffer = io.BytesIO()
+    torch.save(fo.state_to_dict(state), buffer)
+    buffer.seek(0)
+    template = (fo.adam(0.1).init(params), DynamicLossScale(period=3), StaticLossScale(1.0))
+    restored = fo.state_from_dict(template, torch.load(buffer, weights_only=True))
+    assert int(restored[1].counter) == 2 and float(restored[1].loss_scale) == 8.0
+    assert float(restored[1].adjust(torch.tensor(True)).loss_scale) == 16.0
+    assert float(restored[2].loss_scale) == 4.0
+
+
+COUNTER_NAMES = ("count", "gradient_step", "notfinite_count", "total_notfinite")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_counters_saturate(name: str) -> None:
+    params = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64), "b": torch.tensor(0.5)}
+    grads = {"w": torch.tensor([0.1, 0.2], dtype=torch.float64), "b": torch.tensor(-0.3)}
+    tx = CASES[name]()
+    d = fo.state_to_dict(tx.init(params))
+    tops = {k: v for k, v in d.items() if k.split(".")[-1] in COUNTER_NAMES}
+    for k, v in tops.items():
+        assert v.dtype in (torch.int32, torch.int64), k
+        d[k] = torch.full_like(v, torch.iinfo(v.dtype).max)
+    state = fo.state_from_dict(tx.init(params), d)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        for u in tleaves(updates):
+            assert bool(torch.isfinite(u).all())
+        new = fo.state_to_dict(state)
+        for k, v in tops.items():
+            top = torch.iinfo(v.dtype).max
+            want = 0 if k.endswith("notfinite_count") and "total" not in k else top
+            assert int(new[k]) == want, f"{k} = {int(new[k])}"
+
+
+def test_apply_if_finite_counters_saturate_on_non_finite() -> None:
+    tx = fo.apply_if_finite(fo.sgd(0.1), 3)
+    params = {"w": torch.ones(2)}
+    state = tx.init(params)._replace(
+        notfinite_count=torch.tensor(INT32_MAX, dtype=torch.int32),
+        total_notfinite=torch.tensor(INT32_MAX, dtype=torch.int32),
+    )
+    _, state = tx.update({"w": torch.tensor([math.nan, 1.0])}, state, params)
+    assert int(state.notfinite_count) == INT32_MAX
+    assert int(state.total_notfinite) == INT32_MAX
+    assert not bool(state.last_finite)
+
+
+def test_safe_increment_saturates() -> None:
+    for dtype in (torch.int32, torch.int64):
+        top = torch.iinfo(dtype).max
+        assert int(fo.safe_increment(torch.tensor(top, dtype=dtype))) == top
+        assert int(fo.safe_increment(torch.tensor(top - 1, dtype=dtype))) == top
+        assert fo.safe_increment(torch.tensor(0, dtype=dtype)).dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes.
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+SHORT = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", NAMES)
+def test_updates_keep_the_incoming_dtype(name: str, dtype: torch.dtype) -> None:
+    """Every transform returns each update in its incoming dtype, 0-d leaves included (type
+    promotion with a 0-d tensor hyperparameter or schedule value must not widen them), and its
+    state keeps its dtypes from step to step."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"s": (), "v": (3,), "m": (2, 3)}
+    params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+    tx = CASES[name]()
+    state = tx.init(params)
+    first = layout(state)
+    for t in range(4):
+        grads = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+        updates, state = tx.update(grads, state, params)
+        for k, u in updates.items():
+            assert u.dtype == dtype, f"{k} at step {t}: {u.dtype}"
+        assert layout(state) == first, f"step {t}"
+        params = fo.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("param_dtype", FLOATS)
+@pytest.mark.parametrize("update_dtype", FLOATS)
+def test_apply_updates_keeps_param_dtype(
+    param_dtype: torch.dtype, update_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    p64 = {"a": torch.randn(3, 2, generator=gen, dtype=torch.float64), "b": [torch.randn(())]}
+    u64 = tmap(lambda x: torch.randn(x.shape, generator=gen, dtype=torch.float64) * 0.1, p64)
+    params = tmap(lambda x: x.to(param_dtype), p64)
+    updates = tmap(lambda x: x.to(update_dtype), u64)
+    new = fo.apply_updates(params, updates)
+    for n, p, u in zip(tleaves(new), tleaves(params), tleaves(updates), strict=True):
+        assert n.dtype == param_dtype
+        want = (p.double() + u.double()).to(param_dtype)
+        tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(param_dtype, 1e-6)
+        torch.testing.assert_close(n.double(), want.double(), rtol=tol, atol=tol)
+
+
+def test_apply_updates_mixed_dtypes_and_none() -> None:
+    params = {SHORT[d]: torch.ones(2, dtype=d) for d in FLOATS}
+    updates = {k: torch.full((2,), 0.5, dtype=torch.float32) for k in params}
+    updates["fp64"] = None
+    new = fo.apply_updates(params, updates)
+    for k, p in params.items():
+        assert new[k].dtype == p.dtype
+    assert torch.equal(new["fp64"], params["fp64"])
+    assert torch.equal(new["bf16"], torch.full((2,), 1.5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("grad_dtype", ["param", torch.float32])
+def test_dreamerv3_moments_float32_for_16bit(nesterov: bool, grad_dtype: Any) -> None:
+    gen = torch.Generator().manual_seed(1)
+    params = {SHORT[d]: torch.randn(4, 3, generator=gen).to(d) for d in FLOATS}
+    tx = fo.dreamerv3(1e-3, warmup=1, nesterov=nesterov, weight_decay=0.1)
+    state = tx.init(params)
+    for _ in range(4):
+        grads = {
+            k: torch.randn(4, 3, generator=gen).to(p.dtype if grad_dtype == "param" else grad_dtype)
+            for k, p in params.items()
+        }
+        updates, state = tx.update(grads, state, params)
+        for k, u in updates.items():
+            assert u.dtype == grads[k].dtype, k
+            assert bool(torch.isfinite(u).all()), k
+        moments = {k: v for k, v in fo.state_to_dict(state).items() if v.is_floating_point()}
+        assert len(moments) == 2 * len(params)  # nu and the momentum, per parameter
+        for key, v in moments.items():
+            p = params[key.split(".")[-1]]
+            want = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+            assert v.dtype == want, key
+        params = fo.apply_updates(params, updates)
+        for k, p in params.items():
+            assert p.dtype.is_floating_point and SHORT[p.dtype] == k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("inner", ["adam", "dreamerv3"])
+def test_multi_steps_update_dtypes_stable(dtype: torch.dtype, inner: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(3, 2, generator=gen).to(dtype), "b": torch.randn(()).to(dtype)}
+    opt = fo.adam(0.1) if inner == "adam" else fo.dreamerv3(0.1, warmup=0)
+    ms = fo.MultiSteps(opt, 3)
+    state = ms.init(params)
+    first = layout(state)
+    for k, v in fo.state_to_dict(state).items():
+        if k.startswith("acc_grads"):
+            assert v.dtype == torch.promote_types(torch.float32, dtype)
+    emitted = 0
+    for t in range(7):
+        grads = {k: torch.randn(p.shape, generator=gen).to(dtype) for k, p in params.items()}
+        updates, state = ms.update(grads, state, params)
+        emitted += bool(ms.has_updated(state))
+        for k, u in updates.items():
+            assert u.dtype == dtype, (t, k)
+        assert layout(state) == first, t
+    assert emitted == 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_multi_steps_bf16_emits_mean(k: int) -> None:
+    """bf16 gradients accumulate in float32; the mean reaches the inner transform."""
+    ms = fo.MultiSteps(fo.identity(), k)
+    params = {"w": torch.zeros(2, dtype=torch.bfloat16)}
+    state = ms.init(params)
+    values = [torch.tensor([1.0, 3.0]) * (i + 1) for i in range(k)]
+    for i, v in enumerate(values):
+        updates, state = ms.update({"w": v.to(torch.bfloat16)}, state, params)
+        if i < k - 1:
+            assert torch.equal(updates["w"], torch.zeros(2, dtype=torch.bfloat16))
+    want = (sum(values) / k).to(torch.bfloat16)
+    assert updates["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(updates["w"], want)
