@@ -41,28 +41,31 @@ def dreamerv3_kernel(
     nu: Tensor,
     mu: Tensor,
     factor: Tensor,
-    lr: Tensor,
-    bc1: Tensor,
-    bc2: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
     beta1: Tensor,
     beta2: Tensor,
     eps: Tensor,
 ) -> None:
     """One DreamerV3 update of a run of equally sized tensors (2-D views ``[count, size]``), in
     place (``nu``, ``mu``, ``p``), with ``factor`` (``[count, 1]``) each tensor's clip factor:
-    ``g' = factor g``; ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu'/bc2) + eps)``;
-    ``mu' = b1 mu + (1-b1) r``; ``p' = p - lr mu'/bc1``.
+    ``g' = factor g``; ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu' inv_bc2) + eps)``;
+    ``mu' = b1 mu + (1-b1) r``; ``p' = p + step_size mu'``, where ``inv_bc2 = 1/(1-b2^t)`` and
+    ``step_size = -lr_t/(1-b1^t)`` (scalars: one division per element, not three).
     """
     gs = g.to(nu.dtype) * factor
     nu_new = beta2 * nu + (1 - beta2) * (gs * gs)
-    r = gs / (torch.sqrt(nu_new / bc2) + eps)
+    r = gs / (torch.sqrt(nu_new * inv_bc2) + eps)
     mu_new = beta1 * mu + (1 - beta1) * r
     nu.copy_(nu_new)
     mu.copy_(mu_new)
-    p.copy_((p.to(mu.dtype) + (mu_new / bc1) * (-lr)).to(p.dtype))
+    p.copy_((p.to(mu.dtype) + mu_new * step_size).to(p.dtype))
 
 
 _KERNEL: dict[str, Callable[..., None]] = {}
+
+LARGE = 1 << 16
+"""Tensors with at least this many elements get a kernel call of their own."""
 
 
 def _compiled_kernel() -> Callable[..., None]:
@@ -125,6 +128,14 @@ class FlatBucket:
             self.runs.append((i, j - i, self.sizes[i], offset))
             offset += (j - i) * self.sizes[i]
             i = j
+        self.offsets = [0]
+        for n in self.sizes[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.first_large = next(
+            (i for i, n in enumerate(self.sizes) if n >= LARGE), len(self.sizes)
+        )
+        self.small_numel = sum(self.sizes[: self.first_large])
+        self.flats = (self.g, self.p, self.nu, self.mu)
         for p, view in zip(self.params, self.p_views, strict=True):
             p.data = view
         self.data_ptrs = [v.data_ptr() for v in self.p_views]
@@ -209,12 +220,27 @@ class FlatBucket:
             (i, self.p_views[i].clone(), self.nu_views[i].clone(), self.mu_views[i].clone())
             for i in absent
         ]
-        scalars = [torch.tensor(x, dtype=torch.float64) for x in (lr, bc1, bc2, beta1, beta2, eps)]
-        for first, count, size, offset in self.runs:
-            block = slice(offset, offset + count * size)
+        values = (-lr / bc1, 1 / bc2, beta1, beta2, eps)
+        scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
+        # Small tensors: their clip factors are applied to the gradient buffer (one op per run),
+        # then one kernel call covers them all. Large tensors: one call each, with the factor as
+        # an argument (no extra pass over memory). Kernels always see 1-D runs ([1, n] views):
+        # broadcasting a per-row factor over 2-D views compiles to a kernel twice as slow.
+        small = self.small_numel
+        if small:
+            if agc > 0:
+                for first, count, size, offset in self.runs:
+                    if size >= LARGE:
+                        break
+                    block = self.g[offset : offset + count * size].view(count, size)
+                    block.mul_(factor[first : first + count, None])
+            one = torch.ones((1, 1), dtype=self.nu.dtype, device=self.p.device)
+            self._run(*(t[:small].view(1, small) for t in self.flats), one, *scalars)
+        for i in range(self.first_large, len(params)):
+            offset, size = self.offsets[i], self.sizes[i]
             self._run(
-                *(t[block].view(count, size) for t in (self.g, self.p, self.nu, self.mu)),
-                factor[first : first + count, None],
+                *(t[offset : offset + size].view(1, size) for t in self.flats),
+                factor[i].view(1, 1),
                 *scalars,
             )
         for i, p, nu, mu in saved:
