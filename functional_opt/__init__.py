@@ -4,7 +4,7 @@ A transform is ``init(params) -> state`` and ``update(updates, state, params=Non
 (updates, state)`` over pytrees of tensors; ``apply_updates(params, updates)`` adds the updates.
 """
 
-from functional_opt import loss_scale, schedules, tree
+from functional_opt import loss_scale, metrics, schedules, tree
 from functional_opt.aliases import adam, adamw, sgd
 from functional_opt.base import (
     EmptyState,
@@ -17,6 +17,7 @@ from functional_opt.base import (
 )
 from functional_opt.checkpoint import state_from_dict, state_to_dict
 from functional_opt.dreamerv3 import dreamerv3, dreamerv3_schedule
+from functional_opt.metrics import dreamerv3_metrics
 from functional_opt.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -83,6 +84,7 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "dreamerv3",
+    "dreamerv3_metrics",
     "dreamerv3_schedule",
     "ema",
     "identity",
@@ -91,6 +93,7 @@ __all__ = [
     "linear_schedule",
     "loss_scale",
     "masked",
+    "metrics",
     "multi_steps",
     "named_chain",
     "partition",
