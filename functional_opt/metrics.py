@@ -29,7 +29,8 @@ def tree_rms(values: PyTree) -> Tensor:
     count = sum(x.numel() for x in xs)
     if count == 0:
         return torch.zeros(())
-    return (_lists.global_norm(xs) / count**0.5).float()
+    rms: Tensor = (_lists.global_norm(xs) / count**0.5).float()
+    return rms
 
 
 def dreamerv3_metrics(
