@@ -514,7 +514,10 @@ class TransformOptimizer(torch.optim.Optimizer):
             else:
                 outer.append(None)
         state = optree.tree_unflatten(layout.spec, outer)
-        updates, new_state = layout.tx.update(ParamSlots(grads), state, ParamSlots(params))
+        # The optimizer owns the state: donation lets moments update in their own buffers.
+        updates, new_state = layout.tx.update(
+            ParamSlots(grads), state, ParamSlots(params), donate=True
+        )
 
         new_outer, spec = _flatten_outer(new_state)
         if spec != layout.spec:

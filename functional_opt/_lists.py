@@ -170,13 +170,68 @@ def promoted(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[torch.dtype]:
     return [torch.promote_types(x.dtype, y.dtype) for x, y in zip(xs, ys, strict=True)]
 
 
-def moment(m: Sequence[Tensor], g: Sequence[Tensor], decay: Scalar, order: int) -> list[Tensor]:
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _scaled(m: list[Tensor], s: Scalar, in_place: bool) -> list[Tensor]:
+    """``m * s`` with ``torch._foreach_mul_``: into ``m`` itself (``in_place``) or into a copy.
+    Both use the in-place kernel, whose 16-bit rounding differs from the out-of-place one's, so
+    donated and pure updates agree bit for bit."""
+    if in_place:
+        out = list(m)
+    elif any(x.dtype in _HALF for x in m):
+        out = [x.clone() for x in m]
+    else:
+        return list(torch._foreach_mul(m, s))  # type: ignore[arg-type]
+    torch._foreach_mul_(out, s)  # type: ignore[arg-type]
+    return out
+
+
+def moment(
+    m: Sequence[Tensor], g: Sequence[Tensor], decay: Scalar, order: int, *, donate: bool = False
+) -> list[Tensor]:
     """Exponential moving average ``decay * m + (1 - decay) * g**order`` in the promoted dtype
-    of ``m`` and ``g`` (callers cast the stored state back)."""
+    of ``m`` and ``g`` (callers cast the stored state back).
+
+    With ``donate`` (the caller never reads ``m`` again) the result is written into ``m``'s
+    buffers when their dtype is already the promoted one; the arithmetic, and so the result, is
+    the same either way.
+    """
+    if not m:
+        return []
     dtypes = promoted(m, g)
+    if use_foreach(m) and use_foreach(g):
+        in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
+        gw = cast(g, dtypes)
+        out = _scaled(cast(m, dtypes), decay, in_place)
+        if isinstance(decay, Tensor):
+            gp = list(gw) if order == 1 else list(torch._foreach_mul(gw, gw))
+            torch._foreach_add_(out, list(torch._foreach_mul(gp, 1 - decay)))
+        elif order == 1:
+            torch._foreach_add_(out, gw, alpha=1.0 - decay)
+        else:
+            torch._foreach_addcmul_(out, gw, gw, value=1.0 - decay)
+        return out
     m, g = cast(m, dtypes), cast(g, dtypes)
     gp = list(g) if order == 1 else square(g)
     return add(mul(m, decay), gp, alpha=1.0 - decay)
+
+
+def decay_add(
+    m: Sequence[Tensor], g: Sequence[Tensor], decay: Scalar, *, donate: bool = False
+) -> list[Tensor]:
+    """``decay * m + g`` (a momentum trace) in the promoted dtype; with ``donate``, written into
+    ``m``'s buffers when they already have that dtype (same arithmetic either way)."""
+    if not m:
+        return []
+    dtypes = promoted(m, g)
+    gw = cast(g, dtypes)
+    if use_foreach(m) and use_foreach(g):
+        in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
+        out = _scaled(cast(m, dtypes), decay, in_place)
+        torch._foreach_add_(out, gw)
+        return out
+    return add(mul(cast(m, dtypes), decay), gw)
 
 
 def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:

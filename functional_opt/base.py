@@ -12,6 +12,7 @@ from functional_opt import _lists, tree
 from functional_opt.tree import PyTree
 
 __all__ = [
+    "DONATE",
     "EmptyState",
     "GradientTransformation",
     "InitFn",
@@ -21,9 +22,11 @@ __all__ = [
     "Updates",
     "apply_updates",
     "chain",
+    "donating",
     "identity",
     "named_chain",
     "safe_increment",
+    "without_donation",
     "zero_count",
 ]
 
@@ -67,6 +70,25 @@ def safe_increment(count: Tensor) -> Tensor:
     """``count + 1``, saturating at the dtype's maximum instead of wrapping."""
     top = torch.iinfo(count.dtype).max
     return torch.where(count < top, count + 1, count)
+
+
+DONATE = "donate"
+"""The keyword of donation mode: ``tx.update(updates, state, params, donate=True)`` promises
+that the caller never uses ``state`` again, so transforms may write the new state into its
+buffers (as JAX's ``donate_argnums``). Results are identical either way."""
+
+
+def donating(extra: dict[str, Any]) -> bool:
+    """Whether an update's extra arguments ask for donation mode (a Python bool)."""
+    flag = extra.get(DONATE, False)
+    if not isinstance(flag, bool):
+        raise TypeError(f"{DONATE}= must be a Python bool, got {flag!r}")
+    return flag
+
+
+def without_donation(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` minus the donation flag: for a wrapper that may still need the old state."""
+    return {k: v for k, v in extra.items() if k != DONATE}
 
 
 def identity() -> GradientTransformation:

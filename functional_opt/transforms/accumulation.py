@@ -13,7 +13,9 @@ from functional_opt.base import (
     GradientTransformation,
     Params,
     Updates,
+    donating,
     safe_increment,
+    without_donation,
     zero_count,
 )
 from functional_opt.transforms.finite import select_tree
@@ -95,11 +97,15 @@ class MultiSteps:
         k = self._every_k(state.gradient_step)
         dtypes = _lists.promoted(old, g)
         acc_w, g_w = _lists.cast(old, dtypes), _lists.cast(g, dtypes)
-        if self._use_grad_mean:
-            n = (state.mini_step + 1).to(torch.float64)
-            acc = _lists.add(acc_w, _lists.div_scalar(_lists.sub(g_w, acc_w), n))
+        step = _lists.div_scalar(_lists.sub(g_w, acc_w), (state.mini_step + 1).to(torch.float64))
+        step = step if self._use_grad_mean else g_w
+        # Donation: the old accumulator is never selected again, so it may take the new value.
+        in_place = donating(extra) and _lists.use_foreach(acc_w)
+        if in_place and acc_w and all(a is o for a, o in zip(acc_w, old, strict=True)):
+            torch._foreach_add_(acc_w, step)
+            acc = acc_w
         else:
-            acc = _lists.add(acc_w, g_w)
+            acc = _lists.add(acc_w, step)
         emit = state.mini_step == k - 1
         next_mini = safe_increment(state.mini_step) % k
         next_gradient = torch.where(emit, safe_increment(state.gradient_step), state.gradient_step)
@@ -115,12 +121,16 @@ class MultiSteps:
                 at.carry(state.acc_grads, acc_store),
             )
 
+        branch = _can_branch(state.mini_step)
         inner_updates, inner_state = self._opt.update(
-            at.updates(_lists.like(acc, g)), state.inner_opt_state, params, **extra
+            at.updates(_lists.like(acc, g)),
+            state.inner_opt_state,
+            params,
+            **(extra if branch else without_donation(extra)),  # the where-path keeps the old
         )
         out, where = tree.split(inner_updates)
         cleared = at.carry(state.acc_grads, _lists.zeros_like(acc_store))
-        if _can_branch(state.mini_step):
+        if branch:
             return where.updates(out), MultiStepsState(
                 next_mini, next_gradient, inner_state, cleared
             )

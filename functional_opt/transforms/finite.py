@@ -8,7 +8,14 @@ import torch
 from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
-from functional_opt.base import GradientTransformation, Params, Updates, safe_increment, zero_count
+from functional_opt.base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    safe_increment,
+    without_donation,
+    zero_count,
+)
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "select_tree"]
 
@@ -61,7 +68,10 @@ def apply_if_finite(
             finite, torch.zeros_like(state.notfinite_count), safe_increment(state.notfinite_count)
         )
         apply = finite | (notfinite > max_consecutive_errors)
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
+        # The old inner state may be kept (a rejected update): never let the inner one donate it.
+        new_updates, new_inner = inner.update(
+            updates, state.inner_state, params, **without_donation(extra)
+        )
         out, where = tree.split(new_updates)
         out = _lists.where(apply, out, _lists.zeros_like(out))
         return where.updates(out), ApplyIfFiniteState(

@@ -16,6 +16,7 @@ from functional_opt.base import (
     GradientTransformation,
     Params,
     Updates,
+    donating,
     safe_increment,
     zero_count,
 )
@@ -106,10 +107,10 @@ def scale_by_rms(
         params: Params | None = None,
         **extra: Any,
     ) -> tuple[Updates, ScaleByRmsState | ScaleByRmsWithCountState]:
-        del params, extra
+        del params
         g, at = tree.split(updates)
         nu_old = at.take(state.nu, "state.nu")
-        nu = _lists.moment(nu_old, g, decay, 2)
+        nu = _lists.moment(nu_old, g, decay, 2, donate=donating(extra))
         if isinstance(state, ScaleByRmsWithCountState):
             count = safe_increment(state.count)
             nu_hat = _debias(nu, decay, count)
@@ -164,12 +165,13 @@ def scale_by_adam(
     def update_fn(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ScaleByAdamState]:
-        del params, extra
+        del params
+        donate = donating(extra)
         g, at = tree.split(updates)
         mu_old = at.take(state.mu, "state.mu")
         nu_old = at.take(state.nu, "state.nu")
-        mu = _lists.moment(mu_old, g, b1, 1)
-        nu = _lists.moment(nu_old, g, b2, 2)
+        mu = _lists.moment(mu_old, g, b1, 1, donate=donate)
+        nu = _lists.moment(nu_old, g, b2, 2, donate=donate)
         count = safe_increment(state.count)
         if nesterov:
             mu_hat = _lists.add(
@@ -211,13 +213,11 @@ def trace(
     def update_fn(
         updates: Updates, state: TraceState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, TraceState]:
-        del params, extra
+        del params
         g, at = tree.split(updates)
         old = at.take(state.trace, "state.trace")
-        dtypes = _lists.promoted(old, g)
-        gw = _lists.cast(g, dtypes)
-        new = _lists.add(gw, _lists.cast(old, dtypes), alpha=decay)
-        out = _lists.add(gw, new, alpha=decay) if nesterov else new
+        new = _lists.decay_add(old, g, decay, donate=donating(extra))
+        out = _lists.add(_lists.like(g, new), new, alpha=decay) if nesterov else new
         return at.updates(_lists.like(out, g)), TraceState(
             at.carry(state.trace, _lists.like(new, old), "state.trace")
         )
@@ -251,10 +251,10 @@ def ema(
     def update_fn(
         updates: Updates, state: EmaState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, EmaState]:
-        del params, extra
+        del params
         g, at = tree.split(updates)
         old = at.take(state.ema, "state.ema")
-        new = _lists.moment(old, g, decay, 1)
+        new = _lists.moment(old, g, decay, 1, donate=donating(extra))
         count = safe_increment(state.count)
         out = _lists.moment(new, g, decay, 1) if _nesterov else new
         if debias:
