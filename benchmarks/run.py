@@ -112,15 +112,19 @@ def ours_adapter(params: list[torch.nn.Parameter]) -> Step | None:
     return lambda: opt.step()
 
 
-def ours_functional(params: list[torch.nn.Parameter], compiled: bool = False) -> Step:
+def ours_functional(
+    params: list[torch.nn.Parameter], compiled: bool = False, donate: bool = False
+) -> Step:
     tx = fo.dreamerv3(lr=1e-4, warmup=0)
     holder = {"p": [p.detach().clone() for p in params]}
     grads = [p.grad for p in params]
     holder["s"] = tx.init(holder["p"])
     update = torch.compile(tx.update, fullgraph=True) if compiled else tx.update
 
+    extra = {"donate": True} if donate else {}
+
     def step() -> None:
-        u, holder["s"] = update(grads, holder["s"], holder["p"])
+        u, holder["s"] = update(grads, holder["s"], holder["p"], **extra)
         holder["p"] = fo.apply_updates(holder["p"], u)
 
     return step
@@ -173,6 +177,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "torchrl DreamerV3Optimizer": torchrl_dreamer,
     "optax DreamerV3 chain (jit)": optax_dreamer,
     "ours: functional eager": ours_functional,
+    "ours: functional eager, donated": lambda ps: ours_functional(ps, donate=True),
     "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
     "ours: DreamerV3Optimizer": ours_adapter,
 }
