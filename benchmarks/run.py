@@ -313,12 +313,27 @@ def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[s
     return "\n".join(lines)
 
 
+START, END = "<!-- table:start -->", "<!-- table:end -->"
+
+
+def write_table(path: Path, text: str) -> None:
+    """Put ``text`` between the table markers of ``path`` (the whole file if it has none)."""
+    old = path.read_text() if path.exists() else ""
+    if START in old and END in old:
+        head, rest = old.split(START, 1)
+        _, tail = rest.split(END, 1)
+        path.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance-table.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md")
     parser.add_argument("--chart", type=Path, default=ROOT / "docs" / "performance.png")
     parser.add_argument("--scaling", action="store_true", help="also time vs size/tensor count")
     args = parser.parse_args(argv)
@@ -346,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling:
         text += "\n\n" + scaling(5 if args.quick else args.rounds)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_table(args.out, text)
     chart(results, args.chart)
     return 0
 
