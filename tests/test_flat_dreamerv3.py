@@ -113,3 +113,17 @@ def test_state_entries_are_views_of_the_buckets() -> None:
     assert all(
         t.dtype == torch.float32 and t.shape == p.shape for t, p in zip(rms, params, strict=True)
     )
+
+
+def test_changing_hyperparameters_does_not_recompile() -> None:
+    params = _params()
+    opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=3)
+    for t in range(2):
+        _grads(params, t, skip=set())
+        opt.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t, (lr, agc, beta2) in enumerate([(3e-3, 0.3, 0.999), (1e-4, 0.1, 0.99)]):
+            for group in opt.param_groups:
+                group.update(lr=lr, agc=agc, beta2=beta2)
+            _grads(params, 2 + t, skip={0} if t else set())
+            opt.step()
