@@ -19,6 +19,7 @@ from torch import Tensor
 
 from functional_opt import _lists
 from functional_opt.loss_scale import DynamicLossScale, NoOpLossScale, _reciprocal, all_finite
+from functional_opt.metrics import dreamerv3_metrics
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -95,6 +96,12 @@ class MixedPrecisionOptimizationStepper:
     ``"auto"`` (default) means the default group when ``torch.distributed`` is initialized with
     more than one rank, ``None`` never reduces (ranks that train independently), or a
     ``ProcessGroup``. Then one rank's non-finite loss or gradient skips the step on every rank.
+
+    ``dreamerv3_metrics=True`` adds, on calls that end a window, the optimizer metrics DreamerV3
+    logs (:func:`functional_opt.metrics.dreamerv3_metrics`): ``grad_rms`` (pre-clip),
+    ``update_rms`` (of the step applied, ``0`` when skipped), ``param_rms`` (after the step),
+    ``grad_overflow`` and ``updates`` (``optimizer_step_count``). It costs one copy of the params
+    per optimizer step (to measure the update), hence off by default. No host syncs.
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class MixedPrecisionOptimizationStepper:
         clip_norm: float | None = 1.0,
         device_type: str | None = None,
         process_group: ProcessGroup | Literal["auto"] | None = "auto",
+        dreamerv3_metrics: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -158,6 +166,9 @@ class MixedPrecisionOptimizationStepper:
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.device_type = device.type if device_type is None else device_type
         self.process_group = process_group
+        if not isinstance(dreamerv3_metrics, bool):
+            raise ValueError(f"dreamerv3_metrics must be a bool, got {dreamerv3_metrics!r}")
+        self.dreamerv3_metrics = dreamerv3_metrics
         self._use_loss_scale = mixed_precision and autocast_dtype == torch.float16
         self._loss_scale: DynamicLossScale | NoOpLossScale = (
             self._dynamic_scale(device, 2.0**16, 2000, 2.0, 0)
@@ -225,6 +236,8 @@ class MixedPrecisionOptimizationStepper:
         if self._use_loss_scale:
             self._loss_scale = self._loss_scale.adjust(grads_finite)
         grad_norm = norm.detach().float()
+        params = self._params(self.optimizer) if self.dreamerv3_metrics else []
+        before = [p.detach().clone() for p in params]
         if grads_ok:
             self.optimizer.step()
             self._optimizer_step_count += 1
@@ -242,7 +255,22 @@ class MixedPrecisionOptimizationStepper:
                 )
                 grad_norm = torch.zeros((), device=norm.device)  # as torchrl
         self.optimizer.zero_grad(set_to_none=True)
-        return self._metrics(losses, grad_norm, grad_scale)
+        out = self._metrics(losses, grad_norm, grad_scale)
+        if self.dreamerv3_metrics:
+            after = [p.detach() for p in params]
+            extra = dreamerv3_metrics(
+                [],  # grad_norm is the stepper's own (torchrl's semantics); grad_rms from it
+                updates=_lists.sub(after, before) if params else [],
+                params=after,
+                grads_finite=grads_finite,
+                count=self._optimizer_step_count,
+            )
+            del extra["grad_norm"]
+            n = sum(g.numel() for g in grads)
+            extra["grad_rms"] = norm.detach().float() / max(n, 1) ** 0.5
+            for key, value in extra.items():
+                out[key] = value
+        return out
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -368,9 +396,10 @@ class MixedPrecisionOptimizationStepper:
     def _drop_window(self, losses: Any, loss: Tensor, grad_scale: Tensor) -> Any:
         self._skipped_nonfinite_steps += 1
         logger.warning(
-            "Skipping optimization step because the loss is non-finite: %s. "
+            "Skipping optimization step because the loss is non-finite: %s%s. "
             "Skipped non-finite steps: %d.",
             loss.detach(),
+            " (on another rank)" if bool(all_finite(loss.detach())) else "",
             self._skipped_nonfinite_steps,
         )
         self.optimizer.zero_grad(set_to_none=True)
