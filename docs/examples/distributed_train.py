@@ -64,9 +64,17 @@ def full_tensor(x: Tensor) -> Tensor:
     return (full() if full is not None else x).detach()
 
 
-def stepper_state(stepper: MixedPrecisionOptimizationStepper) -> dict[str, Any]:
-    """The stepper's own state (counters, loss scale); the optimizer is saved separately."""
-    return {k: v for k, v in stepper.state_dict().items() if k != "optimizer"}
+def checkpoint_state(
+    net: nn.Module, optimizer: torch.optim.Optimizer, stepper: MixedPrecisionOptimizationStepper
+) -> dict[str, Any]:
+    """What DCP saves (and, for a new model and optimizer, the template it loads into): the
+    model's and the optimizer's state dicts keyed by parameter name (``DTensor`` shards under
+    FSDP2), and the stepper's own state (counters, loss scale), the same on every rank."""
+    return {
+        "model": get_model_state_dict(net),
+        "optim": get_optimizer_state_dict(net, optimizer),
+        "stepper": {k: v for k, v in stepper.state_dict().items() if k != "optimizer"},
+    }
 
 
 def main() -> None:
@@ -130,11 +138,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
 
     if args.resume:
         # The new model and optimizer (sharded or not) are the template; DCP reshards into it.
-        state = {
-            "model": get_model_state_dict(net),
-            "optim": get_optimizer_state_dict(net, optimizer),
-            "stepper": stepper_state(stepper),
-        }
+        state = checkpoint_state(net, optimizer, stepper)
         dcp.load(state, checkpoint_id=str(args.checkpoint))
         set_model_state_dict(net, state["model"])
         set_optimizer_state_dict(net, optimizer, state["optim"])
@@ -146,12 +150,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
         for index in range(start, start + ACCUMULATION):
             metrics = stepper.step(trainer, global_batch(index))
 
-    state = {
-        "model": get_model_state_dict(net),
-        "optim": get_optimizer_state_dict(net, optimizer),
-        "stepper": stepper_state(stepper),
-    }
-    dcp.save(state, checkpoint_id=str(args.checkpoint))
+    dcp.save(checkpoint_state(net, optimizer, stepper), checkpoint_id=str(args.checkpoint))
 
     checksum = sum(float(full_tensor(p).double().sum()) for p in model.parameters())
     if rank == 0:
