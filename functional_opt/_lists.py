@@ -4,8 +4,9 @@ The fast path calls ``torch._foreach_*`` (which groups tensors by device and dty
 on lists of plain tensors or of ``DTensor``s (whose ``_foreach_*`` ops run shard-wise, as
 ``torch.optim`` uses them under FSDP2). Other lists (tensors wrapped by ``torch.func.vmap``/
 ``grad``, other tensor subclasses, plain tensors mixed with ``DTensor``s) go through the plain
-per-tensor path, which computes the same formula op by op. All functions are pure: they return new
-tensors and never write into their arguments.
+per-tensor path, which computes the same formula op by op. Functions return new tensors and never
+write into their arguments, except ``moment``/``decay_add`` with ``donate=True`` (donation mode:
+the caller gave up the old state), which write into the state buffers they are given.
 
 Reductions of a ``DTensor`` (``norms``, ``global_norm``, ``all_finite``) return **full values**:
 plain tensors, equal on every rank, of the whole logical tensor (not the local shard), combined
@@ -40,11 +41,14 @@ def dtensor_type() -> type[Tensor] | None:
     return None if module is None else module.DTensor  # type: ignore[no-any-return]
 
 
-def use_foreach(xs: Sequence[Tensor]) -> bool:
-    """True when ``torch._foreach_*`` can run on ``xs``: all plain tensors (no functorch
-    wrapping) or all ``DTensor``s."""
+def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
+    """True when ``torch._foreach_*`` can run on ``xs`` (with the tensor ``scalars``, if any):
+    all plain tensors (no functorch wrapping) or all ``DTensor``s. A scalar batched by
+    ``torch.func.vmap`` (e.g. a swept learning rate) sends ``xs`` down the per-tensor path."""
     if torch.compiler.is_compiling():
         return True
+    if any(isinstance(s, Tensor) and _is_wrapped(s) for s in scalars):
+        return False
     if all(type(x) in _PLAIN and not _is_wrapped(x) for x in xs):
         return True
     dtensor = dtensor_type()
@@ -82,7 +86,7 @@ def mul(xs: Sequence[Tensor], s: Scalar | Sequence[Scalar]) -> list[Tensor]:
     """``x * s`` for each ``x`` (in ``x``'s dtype); ``s`` is one scalar or one per tensor."""
     if not xs:
         return []
-    if use_foreach(xs):
+    if use_foreach(xs, s):
         if isinstance(s, (list, tuple)) and s and isinstance(s[0], Tensor):
             return like(torch._foreach_mul(list(xs), list(s)), xs)
         return like(torch._foreach_mul(list(xs), s), xs)  # type: ignore[arg-type]
@@ -105,7 +109,7 @@ def add(xs: Sequence[Tensor], ys: Sequence[Tensor], alpha: Scalar = 1.0) -> list
     if isinstance(alpha, Tensor):
         ys = mul(ys, alpha)
         alpha = 1.0
-    if use_foreach(xs) and use_foreach(ys):
+    if use_foreach(xs, alpha) and use_foreach(ys):
         return list(torch._foreach_add(list(xs), list(ys), alpha=alpha))
     return [x + alpha * y if alpha != 1.0 else x + y for x, y in zip(xs, ys, strict=True)]
 
@@ -123,7 +127,7 @@ def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x + s`` (in ``x``'s dtype)."""
     if not xs:
         return []
-    if use_foreach(xs):
+    if use_foreach(xs, s):
         return like(torch._foreach_add(list(xs), s), xs)
     return like([x + s for x in xs], xs)
 
@@ -200,7 +204,7 @@ def moment(
     if not m:
         return []
     dtypes = promoted(m, g)
-    if use_foreach(m) and use_foreach(g):
+    if use_foreach(m, decay) and use_foreach(g):
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
         gw = cast(g, dtypes)
         out = _scaled(cast(m, dtypes), decay, in_place)
@@ -226,7 +230,7 @@ def decay_add(
         return []
     dtypes = promoted(m, g)
     gw = cast(g, dtypes)
-    if use_foreach(m) and use_foreach(g):
+    if use_foreach(m, decay) and use_foreach(g):
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
         out = _scaled(cast(m, dtypes), decay, in_place)
         torch._foreach_add_(out, gw)
@@ -238,7 +242,7 @@ def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x / s`` for one scalar ``s`` (in ``x``'s dtype)."""
     if not xs:
         return []
-    if use_foreach(xs):
+    if use_foreach(xs, s):
         return like(torch._foreach_div(list(xs), s), xs)
     return like([x / s for x in xs], xs)
 

@@ -454,3 +454,21 @@ def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
         torch.testing.assert_close(first, second, rtol=0, atol=0, equal_nan=True)
         state = first[1]
     torch.testing.assert_close(state0, snapshot, rtol=0, atol=0)
+
+
+def test_vmap_over_a_learning_rate_with_shared_params() -> None:
+    """A swept hyperparameter alone may be batched: params and grads stay unbatched."""
+    params = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    grads = {"w": torch.tensor([0.5, 0.5, -1.0])}
+    lrs = torch.tensor([0.1, 0.01, 0.001])
+
+    def one(lr: torch.Tensor, p: dict, g: dict) -> dict:
+        tx = fo.inject_hyperparams(fo.sgd)(learning_rate=0.0, momentum=0.9)
+        state = tx.init(p)
+        state.hyperparams["learning_rate"] = lr
+        updates, _ = tx.update(g, state, p)
+        return updates
+
+    batched = torch.func.vmap(one, in_dims=(0, None, None))(lrs, params, grads)
+    for i, lr in enumerate(lrs):
+        torch.testing.assert_close(batched["w"][i], -lr * grads["w"])
