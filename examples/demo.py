@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,8 +34,16 @@ from torch import Tensor, nn
 import functional_opt as fo
 from functional_opt.adapters import DreamerV3Optimizer, MixedPrecisionOptimizationStepper
 
-LOSS_TOLERANCE = 0.05
-"""Largest relative per-step loss gap allowed between the two DreamerV3 paths."""
+EARLY_STEPS = 100
+EARLY_TOLERANCE = 0.01
+"""Largest relative per-step loss gap allowed between the two DreamerV3 paths over the first
+``EARLY_STEPS`` steps (before chaotic training amplifies last-bit differences)."""
+
+FINAL_TOLERANCE = 0.10
+"""Largest relative gap allowed between their final losses (means of the last 50 steps)."""
+
+WARMUP_STEPS = 5
+"""First steps left out of the timings (they include one-off compilation)."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -216,7 +225,8 @@ def _progress(steps: range, run: Run) -> Iterator[int]:
 
 
 # ----------------------------------------------------------------------------- report
-def report(runs: list[Run], out: Path, agreement: float, loss_gap: float) -> None:
+def report(runs: list[Run], out: Path, agreement: float, gaps: dict[str, float]) -> bool:
+    """Write the CSV and the PNG, print the table; return whether the DreamerV3 paths agree."""
     out.mkdir(parents=True, exist_ok=True)
     with (out / "metrics.csv").open("w", newline="") as f:
         writer = csv.writer(f)
@@ -248,19 +258,25 @@ def report(runs: list[Run], out: Path, agreement: float, loss_gap: float) -> Non
     header = f"{'run':<36} {'final loss':>11} {'ms/step':>9} {'optimizer share':>16}"
     print("\n" + header + "\n" + "-" * len(header))
     for run in runs:
-        final = sum(run.losses[-10:]) / len(run.losses[-10:])
-        per_step = 1000 * sum(run.step_times) / len(run.step_times)
-        share = sum(run.optimizer_times) / sum(run.step_times)
+        final = statistics.mean(run.losses[-50:])
+        steps = run.step_times[WARMUP_STEPS:] or run.step_times
+        opt = run.optimizer_times[WARMUP_STEPS:] or run.optimizer_times
+        per_step = 1000 * statistics.median(steps)
+        share = sum(opt) / sum(steps)
         print(f"{run.name:<36} {final:>11.5f} {per_step:>9.2f} {share:>15.1%}")
-    verdict = "agree" if loss_gap < LOSS_TOLERANCE else "DIFFER"
+    agree = gaps["early"] < EARLY_TOLERANCE and gaps["final"] < FINAL_TOLERANCE
     print(
-        f"\nDreamerV3 adapter vs functional: {verdict} (losses within {loss_gap:.2%} at every "
-        f"step, tolerance {LOSS_TOLERANCE:.0%}; max |param difference| {agreement:.1e}).\n"
+        f"\nDreamerV3 adapter vs functional: {'agree' if agree else 'DIFFER'}: losses within "
+        f"{gaps['early']:.2%} over the first {EARLY_STEPS} steps (tolerance "
+        f"{EARLY_TOLERANCE:.0%}), final losses {gaps['final']:.2%} apart (tolerance "
+        f"{FINAL_TOLERANCE:.0%}); median per-step gap {gaps['median']:.2%}, "
+        f"max |param difference| {agreement:.1e}.\n"
         "Both run bf16 autocast; torch.func.grad and module backward round bf16 gradients\n"
         "in a different order, and DreamerV3's normalised updates turn last-bit gradient\n"
-        "differences into O(lr) steps."
+        "differences into O(lr) steps, so the runs agree as curves, not bit for bit."
     )
     print(f"Wrote {out / 'metrics.csv'} and {out / 'loss_curves.png'}")
+    return agree
 
 
 # ----------------------------------------------------------------------------- cli
@@ -333,12 +349,18 @@ def main(argv: list[str] | None = None) -> int:
     agreement = max(
         float((adapter.params[k] - functional.params[k]).abs().max()) for k in adapter.params
     )
-    loss_gap = max(
+    per_step = [
         abs(a - b) / max(abs(b), 1e-12)
         for a, b in zip(adapter.losses, functional.losses, strict=True)
-    )
-    report([adapter, functional, adamw], args.out, agreement, loss_gap)
-    return 0 if loss_gap < LOSS_TOLERANCE else 1
+    ]
+    final_a = statistics.mean(adapter.losses[-50:])
+    final_f = statistics.mean(functional.losses[-50:])
+    gaps = {
+        "final": abs(final_a - final_f) / max(abs(final_f), 1e-12),
+        "median": statistics.median(per_step),
+        "early": max(per_step[:EARLY_STEPS]),
+    }
+    return 0 if report([adapter, functional, adamw], args.out, agreement, gaps) else 1
 
 
 if __name__ == "__main__":
