@@ -103,12 +103,13 @@ def torchrl_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
     return lambda: opt.step()
 
 
-def ours_adapter(params: list[torch.nn.Parameter]) -> Step | None:
+def ours_adapter(params: list[torch.nn.Parameter], flat: bool = True) -> Step | None:
     try:
         from functional_opt.adapters import DreamerV3Optimizer
     except ImportError:
         return None
     opt = DreamerV3Optimizer(params, lr=1e-4, warmup_steps=0)
+    opt.flat_step = flat
     return lambda: opt.step()
 
 
@@ -179,6 +180,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: functional eager": ours_functional,
     "ours: functional eager, donated": lambda ps: ours_functional(ps, donate=True),
     "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
+    "ours: DreamerV3Optimizer, generic path": lambda ps: ours_adapter(ps, flat=False),
     "ours: DreamerV3Optimizer": ours_adapter,
 }
 

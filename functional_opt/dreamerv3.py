@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from functional_opt import _validate
-from functional_opt.base import GradientTransformation, Params, chain
+from functional_opt import _lists, _validate, tree
+from functional_opt.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    chain,
+    donating,
+    safe_increment,
+)
 from functional_opt.schedules import Schedule
-from functional_opt.transforms.clipping import clip_by_agc
-from functional_opt.transforms.moments import MomentDtype, ema, scale_by_rms
-from functional_opt.transforms.scaling import scale_by_learning_rate
+from functional_opt.transforms.clipping import agc_factors, clip_by_agc
+from functional_opt.transforms.moments import (
+    EmaState,
+    MomentDtype,
+    ScaleByRmsWithCountState,
+    bias_correction,
+    ema,
+    scale_by_rms,
+)
+from functional_opt.transforms.scaling import ScaleByScheduleState, scale_by_learning_rate
 from functional_opt.transforms.weight_decay import add_decayed_weights
 from functional_opt.tree import PyTree
 
@@ -83,6 +98,7 @@ def dreamerv3(
     weight_decay_mask: PyTree | Callable[[Params], PyTree] | None = None,
     schedule: Literal["const", "linear", "cosine"] = "const",
     anneal: Number = 0,
+    _fused: bool = True,
 ) -> GradientTransformation:
     """DreamerV3's optimizer.
 
@@ -93,6 +109,10 @@ def dreamerv3(
     ``r = u / (sqrt(nu / (1-b2^t)) + eps)``, ``mu = b1 mu + (1-b1) r``,
     ``u = -lr_t (mu / (1-b1^t) + wd p)``. ``nesterov`` uses ``b1 mu + (1-b1) r`` in place of
     ``mu``; ``momentum=False`` drops the ``mu`` step. Moments are float32 for 16-bit params.
+
+    In eager mode on multi-tensor-ready lists the update runs as one fused function (the chain's
+    ops, fewer passes and allocations, same result); elsewhere (``torch.compile``, ``vmap``, a
+    ``weight_decay_mask``) it runs the chain itself.
     """
     _validate.non_negative("lr", lr)
     _validate.non_negative("agc", agc)
@@ -111,6 +131,7 @@ def dreamerv3(
             f"anneal must be > warmup for the cosine schedule, got anneal={anneal}, warmup={warmup}"
         )
     moments: MomentDtype = "float32_for_16bit"
+    sched = dreamerv3_schedule(lr, warmup, schedule, anneal)
     parts = [
         clip_by_agc(agc, pmin),
         scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True, _moment_dtype=moments),
@@ -118,5 +139,80 @@ def dreamerv3(
     if momentum:
         parts.append(ema(beta1, debias=True, _moment_dtype=moments, _nesterov=nesterov))
     parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
-    parts.append(scale_by_learning_rate(dreamerv3_schedule(lr, warmup, schedule, anneal)))
-    return chain(*parts)
+    parts.append(scale_by_learning_rate(sched))
+    reference = chain(*parts)
+    if weight_decay_mask is not None or not _fused:
+        return reference
+    hyper = _Hyper(agc, pmin, beta1, beta2, eps, weight_decay, momentum, nesterov, sched)
+
+    def update_fn(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        fast = _fused_update(hyper, updates, state, params, donating(extra))
+        return fast if fast is not None else reference.update(updates, state, params, **extra)
+
+    return GradientTransformation(reference.init, update_fn)
+
+
+class _Hyper(NamedTuple):
+    agc: Number
+    pmin: Number
+    beta1: Number
+    beta2: Number
+    eps: Number
+    weight_decay: Number
+    momentum: bool
+    nesterov: bool
+    schedule: Schedule
+
+
+def _fused_update(
+    h: _Hyper, updates: Updates, state: OptState, params: Params | None, donate: bool
+) -> tuple[Updates, OptState] | None:
+    """The chain's update in fewer passes and allocations, for multi-tensor-ready lists in eager
+    mode (``None``: not applicable, run the chain). The same ops in the same order as the chain,
+    with temporaries reused in place, so the result equals the chain's (bit for bit for float32
+    and float64)."""
+    if params is None or torch.compiler.is_compiling():
+        return None
+    g, at = tree.split(updates)
+    if not g:
+        return None
+    p = at.take(params, "params")
+    rms_state: ScaleByRmsWithCountState = state[1]
+    nu_old = at.take(rms_state.nu, "state.nu")
+    if not (_lists.use_foreach(g, *h) and _lists.use_foreach(p) and _lists.use_foreach(nu_old)):
+        return None
+    # clip_by_agc: a fresh tensor per leaf, which later steps may overwrite.
+    agc_active = not (isinstance(h.agc, (int, float)) and h.agc == 0)
+    gs = _lists.mul(g, agc_factors(g, p, h.agc, h.pmin)) if agc_active else list(g)
+    # scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True)
+    count = safe_increment(rms_state.count)
+    nu = _lists.moment(nu_old, gs, h.beta2, 2, donate=donate)
+    denom = bias_correction(nu, h.beta2, count)  # fresh
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, h.eps)  # type: ignore[arg-type]
+    gw = _lists.like(gs, denom)
+    if agc_active and all(a is b for a, b in zip(gw, gs, strict=True)):
+        torch._foreach_div_(gw, denom)  # gs is ours: r overwrites it
+        r = _lists.like(gw, g)
+    else:
+        r = _lists.like(_lists.div(gw, denom), g)
+    new_state = list(state)
+    new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, _lists.like(nu, nu_old)))
+    out = r
+    if h.momentum:
+        ema_state: EmaState = state[2]
+        mu_old = at.take(ema_state.ema, "state.ema")
+        ema_count = safe_increment(ema_state.count)
+        mu = _lists.moment(mu_old, r, h.beta1, 1, donate=donate)
+        out = _lists.moment(mu, r, h.beta1, 1) if h.nesterov else mu
+        out = _lists.like(bias_correction(out, h.beta1, ema_count), g)
+        new_state[2] = EmaState(ema_count, at.carry(ema_state.ema, _lists.like(mu, mu_old)))
+    if not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0):
+        out = _lists.like(_lists.add(out, _lists.like(p, out), alpha=h.weight_decay), out)
+    sched_state: ScaleByScheduleState = state[-1]
+    step = -1.0 * torch.as_tensor(h.schedule(sched_state.count))
+    u = _lists.mul(out, step)
+    new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
+    return at.updates(u), tuple(new_state)
