@@ -282,6 +282,11 @@ def all_finite(xs: Sequence[Tensor]) -> Tensor:
         return torch.ones((), dtype=torch.bool)
     dtensor = dtensor_type()
     if dtensor is None or not any(isinstance(x, dtensor) for x in xs):
+        xs = [x for x in xs if x.numel()]  # an empty tensor is finite
+        if not xs:
+            return torch.ones((), dtype=torch.bool)
+        if use_foreach(xs):  # max |x| per tensor in one multi-tensor pass: NaN/inf propagate
+            return torch.isfinite(stack(list(torch._foreach_norm(xs, float("inf"))))).all()
         return torch.stack([torch.isfinite(x).all() for x in xs]).all()
     flags = [torch.isfinite(x).all() for x in xs if not isinstance(x, dtensor)]
     counts = [torch.isfinite(x).logical_not().sum() for x in xs if isinstance(x, dtensor)]

@@ -26,6 +26,7 @@ __all__ = [
     "identity",
     "named_chain",
     "safe_increment",
+    "stateless",
     "without_donation",
     "zero_count",
 ]
@@ -91,8 +92,9 @@ def without_donation(extra: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in extra.items() if k != DONATE}
 
 
-def identity() -> GradientTransformation:
-    """Leaves updates unchanged: ``u -> u``."""
+def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+    """A transform without state: ``update`` returns ``fn(updates, params)`` and the
+    ``EmptyState`` it was given."""
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -101,10 +103,15 @@ def identity() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        del params, extra
-        return updates, state
+        del extra
+        return fn(updates, params), state
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged: ``u -> u``."""
+    return stateless(lambda updates, params: updates)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -3,31 +3,13 @@ DreamerV3's per-tensor ``clip_by_agc``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
-from functional_opt.base import EmptyState, GradientTransformation, Params, Updates
+from functional_opt.base import GradientTransformation, Params, Updates, stateless
 
 __all__ = ["adaptive_grad_clip", "clip", "clip_by_agc", "clip_by_global_norm", "unitwise_norm"]
-
-
-def _stateless(
-    fn: Any,
-) -> GradientTransformation:
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update_fn(
-        updates: Updates, state: EmptyState, params: Params | None = None, **extra: Any
-    ) -> tuple[Updates, EmptyState]:
-        del extra
-        return fn(updates, params), state
-
-    return GradientTransformation(init_fn, update_fn)
 
 
 def clip(max_delta: float | Tensor) -> GradientTransformation:
@@ -39,7 +21,7 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
         g, at = tree.split(updates)
         return at.updates(_lists.clamp(g, -max_delta, max_delta))
 
-    return _stateless(apply)
+    return stateless(apply)
 
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
@@ -54,7 +36,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return at.updates(_lists.mul(g, factor))
 
-    return _stateless(apply)
+    return stateless(apply)
 
 
 def unitwise_norm(x: Tensor) -> Tensor:
@@ -97,7 +79,7 @@ def adaptive_grad_clip(
             out.append(torch.where(g_norm < max_norm, gi, clipped).to(gi.dtype))
         return at.updates(out)
 
-    return _stateless(apply)
+    return stateless(apply)
 
 
 def agc_factors(
@@ -131,4 +113,4 @@ def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> Grad
         p = at.take(params, "params")
         return at.updates(_lists.mul(g, agc_factors(g, p, clip, pmin)))
 
-    return _stateless(apply)
+    return stateless(apply)

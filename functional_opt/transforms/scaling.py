@@ -9,11 +9,11 @@ from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
 from functional_opt.base import (
-    EmptyState,
     GradientTransformation,
     Params,
     Updates,
     safe_increment,
+    stateless,
     zero_count,
 )
 from functional_opt.schedules import Schedule
@@ -31,18 +31,11 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
     """``u -> step_size * u``."""
     _validate.finite("step_size", step_size)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update_fn(
-        updates: Updates, state: EmptyState, params: Params | None = None, **extra: Any
-    ) -> tuple[Updates, EmptyState]:
-        del params, extra
+    def apply(updates: Updates, params: Params | None) -> Updates:
         g, at = tree.split(updates)
-        return at.updates(_lists.mul(g, step_size)), state
+        return at.updates(_lists.mul(g, step_size))
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(apply)
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
-from functional_opt.base import EmptyState, GradientTransformation, Params, Updates
+from functional_opt.base import GradientTransformation, Params, Updates, stateless
 from functional_opt.transforms.combinators import masked
 from functional_opt.tree import PyTree
 
@@ -22,25 +21,16 @@ def add_decayed_weights(
     """``u -> u + weight_decay * p``, only where ``mask`` is true when a mask is given."""
     _validate.non_negative("weight_decay", weight_decay)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update_fn(
-        updates: Updates, state: EmptyState, params: Params | None = None, **extra: Any
-    ) -> tuple[Updates, EmptyState]:
-        del extra
+    def apply(updates: Updates, params: Params | None) -> Updates:
         if isinstance(weight_decay, (int, float)) and weight_decay == 0:
-            return updates, state
+            return updates
         if params is None:
             raise ValueError(
                 "add_decayed_weights needs params: call update(updates, state, params)"
             )
         g, at = tree.split(updates)
         p = at.take(params, "params")
-        return at.updates(
-            _lists.like(_lists.add(g, _lists.like(p, g), alpha=weight_decay), g)
-        ), state
+        return at.updates(_lists.like(_lists.add(g, _lists.like(p, g), alpha=weight_decay), g))
 
-    tx = GradientTransformation(init_fn, update_fn)
+    tx = stateless(apply)
     return masked(tx, mask) if mask is not None else tx
