@@ -7,10 +7,11 @@ buffers (the params and the optimizer state become views into them, as DDP's
 
 1. per-tensor norms of gradients and params (one reduction per run of equally sized tensors)
    giving the per-tensor clip factors;
-2. the clip factors applied to the gradient buffer, one op per run of equally sized tensors;
-3. one elementwise kernel over the whole bucket, compiled once with ``torch.compile``
-   (``dynamic=True``: one kernel serves every bucket size), reading ``g, p, nu, mu`` and
-   writing ``nu, mu, p``.
+2. one elementwise kernel, compiled once with ``torch.compile`` (``dynamic=True``: one kernel
+   serves every size), reading ``g, p, nu, mu`` and writing ``nu, mu, p``. It runs on 1-D
+   views: once over all small tensors (their clip factors applied to the gradient buffer
+   first, one op per run) and once per tensor of at least ``LARGE`` elements (its factor
+   passed as an argument, so no extra pass over memory).
 
 So 2000 small tensors cost about what one large tensor costs. The math is that of
 ``functional_opt.dreamerv3`` (and torchrl's optimizer), checked against it in the tests to

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
-import torch
 from torch import Tensor
 
 PyTree = Any
@@ -155,23 +154,9 @@ class Leaves:
             values[i] = v
         return unflatten(self.spec, values)
 
-    @property
-    def all_present(self) -> bool:
-        return len(self.index) == len(self.values)
-
 
 def split(updates: PyTree) -> tuple[list[Tensor], Leaves]:
     """Flatten ``updates`` into its present tensors and the :class:`Leaves` record."""
     values, spec = flatten(updates)
     where = Leaves(values, spec, updates)
     return [values[i] for i in where.index], where
-
-
-def is_tensor_tree(tree: PyTree) -> bool:
-    """True when every leaf of ``tree`` is a tensor or ``None``."""
-    return all(v is None or isinstance(v, Tensor) for v in leaves(tree))
-
-
-def zeros_like_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    """Zeros shaped like each tensor leaf (``None`` stays ``None``)."""
-    return map_params(lambda x: torch.zeros_like(x, dtype=dtype), tree)

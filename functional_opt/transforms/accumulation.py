@@ -97,8 +97,11 @@ class MultiSteps:
         k = self._every_k(state.gradient_step)
         dtypes = _lists.promoted(old, g)
         acc_w, g_w = _lists.cast(old, dtypes), _lists.cast(g, dtypes)
-        step = _lists.div_scalar(_lists.sub(g_w, acc_w), (state.mini_step + 1).to(torch.float64))
-        step = step if self._use_grad_mean else g_w
+        if self._use_grad_mean:
+            n = (state.mini_step + 1).to(torch.float64)
+            step = _lists.div_scalar(_lists.sub(g_w, acc_w), n)
+        else:
+            step = g_w
         # Donation: the old accumulator is never selected again, so it may take the new value.
         in_place = donating(extra) and _lists.use_foreach(acc_w)
         if in_place and acc_w and all(a is o for a, o in zip(acc_w, old, strict=True)):
