@@ -1,22 +1,27 @@
 """The fast path of :class:`DreamerV3Optimizer`: flat buffers and one compiled kernel.
 
-A DreamerV3 step is memory-bound elementwise work. This path keeps, for each (device, dtype)
-bucket of a param group, the params, their gradients and both moments in contiguous flat
-buffers (the params and the optimizer state become views into them, as DDP's
-``gradient_as_bucket_view`` does for gradients), so that one step is:
+A DreamerV3 step is elementwise work over ``g, p, nu, mu`` plus the per-tensor norms of ``g``
+and ``p`` that adaptive clipping needs. This path keeps, for each (device, dtype) bucket of a
+param group, the params, their gradients and both moments in contiguous flat buffers (the params,
+their ``.grad`` and the optimizer state become views into them, as DDP's
+``gradient_as_bucket_view`` does for gradients). Tensors are laid out in *runs* of equal size,
+so a run of ``count`` tensors of ``size`` elements is a 2-D view ``[count, size]`` and one step
+is:
 
-1. per-tensor norms of gradients and params (one reduction per run of equally sized tensors)
-   giving the per-tensor clip factors;
-2. one elementwise kernel, compiled once with ``torch.compile`` (``dynamic=True``: one kernel
-   serves every size), reading ``g, p, nu, mu`` and writing ``nu, mu, p``. It runs on 1-D
-   views: once over all small tensors (their clip factors applied to the gradient buffer
-   first, one op per run) and once per tensor of at least ``LARGE`` elements (its factor
-   passed as an argument, so no extra pass over memory).
+1. per-tensor norms of gradients and params: one reduction per run, giving the clip factors;
+2. one call per run of the elementwise kernel :func:`dreamerv3_kernel`, compiled once with
+   ``torch.compile`` (``dynamic=True``: one kernel serves every shape), reading ``g, p, nu, mu``
+   and writing ``nu, mu, p`` with the run's clip factors and step sizes broadcast per row. Runs
+   too small to be worth a call of their own (fewer than ``MERGE`` elements in all) share one
+   call, with the clip factor spread per element.
 
-So 2000 small tensors cost about what one large tensor costs. The math is that of
-``functional_opt.dreamerv3`` (and torchrl's optimizer), checked against it in the tests to
-float32 rounding. A gradient that is not already a view of the bucket is copied in first.
-Params without a gradient are masked out per tensor (their state and value are untouched).
+So 2000 tensors of one size cost what one large tensor costs, and a model with a handful of
+distinct shapes makes a handful of kernel calls. Gradients and params are never modified outside
+the kernel's own write of ``p`` (the clip is applied inside the kernel). The math is that of
+``functional_opt.dreamerv3`` (and torchrl's optimizer), checked against it in the tests to float32
+rounding. A gradient that is not already a view of the bucket (a fresh ``.grad`` after
+``zero_grad(set_to_none=True)``) is copied in first and replaced by its view. Params without a
+gradient are masked out per tensor (their state and value are untouched).
 
 The path is used only for plain dense tensors whose options are Python numbers; anything else
 (``DTensor``, sparse gradients, tensor options) goes through the generic
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,13 +53,14 @@ def dreamerv3_kernel(
     beta2: Tensor,
     eps: Tensor,
 ) -> None:
-    """One DreamerV3 update of a run of equally sized tensors (2-D views ``[count, size]``), in
-    place (``nu``, ``mu``, ``p``), with ``factor`` (``[count, 1]``) each tensor's clip factor:
-    ``g' = factor g``; ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu' inv_bc2) + eps)``;
+    """One DreamerV3 update of 2-D views ``[rows, n]`` in place (``nu``, ``mu``, ``p``):
+    ``g' = factor g`` (rounded to ``g``'s dtype, as the clip of the chain is);
+    ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu' inv_bc2) + eps)``;
     ``mu' = b1 mu + (1-b1) r``; ``p' = p + step_size mu'``, where ``inv_bc2 = 1/(1-b2^t)`` and
-    ``step_size = -lr_t/(1-b1^t)`` (scalars: one division per element, not three).
+    ``step_size = -lr_t/(1-b1^t)``. ``factor`` and ``step_size`` broadcast per row (``[rows, 1]``)
+    or per element; the other scalars are 0-d tensors (one division per element, not three).
     """
-    gs = g.to(nu.dtype) * factor
+    gs = (g.to(nu.dtype) * factor).to(g.dtype).to(nu.dtype)
     nu_new = beta2 * nu + (1 - beta2) * (gs * gs)
     r = gs / (torch.sqrt(nu_new * inv_bc2) + eps)
     mu_new = beta1 * mu + (1 - beta1) * r
@@ -63,16 +69,53 @@ def dreamerv3_kernel(
     p.copy_((p.to(mu.dtype) + mu_new * step_size).to(p.dtype))
 
 
-_KERNEL: dict[str, Callable[..., None]] = {}
-
-LARGE = 1 << 16
-"""Tensors with at least this many elements get a kernel call of their own."""
+def _rows_kernel(*args: Tensor) -> None:
+    dreamerv3_kernel(*args)  # a run of at least two tensors: factor and step per row
 
 
-def _compiled_kernel() -> Callable[..., None]:
-    if "fn" not in _KERNEL:
-        _KERNEL["fn"] = torch.compile(dreamerv3_kernel, fullgraph=True, dynamic=True)
-    return _KERNEL["fn"]
+def _single_kernel(*args: Tensor) -> None:
+    dreamerv3_kernel(*args)  # one tensor: ``[1, n]`` with ``[1, 1]`` factor and step
+
+
+def _spread_kernel(*args: Tensor) -> None:
+    dreamerv3_kernel(*args)  # the merged region: a factor per element
+
+
+def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The L2 norm of each row of ``x`` in ``dtype`` (a cascade sum: more accurate than
+    ``vector_norm``, and without a widened copy of 16-bit inputs)."""
+    y = x.to(dtype)
+    return torch.sqrt((y * y).sum(-1))
+
+
+def _row_norms_single(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return _row_norms(x, dtype)  # one row: its own cache entry (sizes of one specialize)
+
+
+# One compiled function per call form, so that each form's guards (sizes of one specialize)
+# and each dtype take one cache entry of their own function.
+_FORMS: dict[str, Callable[..., Any]] = {
+    "rows": _rows_kernel,
+    "single": _single_kernel,
+    "spread": _spread_kernel,
+    "norms": _row_norms,
+    "norms_single": _row_norms_single,
+}
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+MERGE = 1 << 16
+"""Runs with fewer elements than this (all their tensors together) share one kernel call."""
+
+DOT_ROWS = 1 << 14
+DOT_MAX_COUNT = 256
+"""Norms of runs of at most ``DOT_MAX_COUNT`` float32/64 tensors of at least ``DOT_ROWS``
+elements are BLAS dot products, one per tensor."""
+
+
+def _compile_form(form: str) -> Callable[..., Any]:
+    if form not in _COMPILED:
+        _COMPILED[form] = torch.compile(_FORMS[form], fullgraph=True, dynamic=True)
+    return _COMPILED[form]
 
 
 def eligible(params: Sequence[Tensor], options: dict[str, Any]) -> bool:
@@ -95,52 +138,63 @@ def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+class Run(NamedTuple):
+    """``count`` tensors of ``size`` elements each, starting at tensor ``first`` and element
+    ``offset`` of the bucket."""
+
+    first: int
+    count: int
+    size: int
+    offset: int
+
+
 class FlatBucket:
     """Params of one (device, dtype) bucket with their gradients and moments in flat buffers.
 
-    The params are laid out sorted by size, so that runs of equally sized tensors (all the
-    biases of a width, all the blocks of a transformer) are 2-D views: their norms and clip
-    factors then cost one op per run, not one per tensor.
+    Layout: the runs small enough to share a kernel call first (the *merged region*), then the
+    others, each group sorted by size; every run is a 2-D view ``[count, size]``.
     """
 
     def __init__(self, params: list[Tensor]) -> None:
-        order = sorted(range(len(params)), key=lambda i: params[i].numel())
+        by_size: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            by_size.setdefault(p.numel(), []).append(i)
+        merged = sorted(n for n, idx in by_size.items() if n * len(idx) < MERGE)
+        own = sorted(n for n, idx in by_size.items() if n * len(idx) >= MERGE)
+        order = [i for n in merged + own for i in by_size[n]]
         self.params = [params[i] for i in order]
         self.sizes = [p.numel() for p in self.params]
         first = params[0]
         mdtype = _moment_dtype(first.dtype)
         with torch.no_grad():
             self.p = torch.cat([p.detach().reshape(-1) for p in self.params])
-        # Gradients are kept in the moment dtype: 16-bit gradients are widened on the copy in.
-        self.g = torch.zeros_like(self.p, dtype=mdtype)
+        self.g = torch.zeros_like(self.p)
         self.nu = torch.zeros_like(self.p, dtype=mdtype)
         self.mu = torch.zeros_like(self.p, dtype=mdtype)
         self.p_views = self._views(self.p)
         self.g_views = self._views(self.g)
         self.nu_views = self._views(self.nu)
         self.mu_views = self._views(self.mu)
-        self.runs: list[tuple[int, int, int, int]] = []  # (first tensor, count, size, offset)
-        offset = 0
-        i = 0
-        while i < len(self.sizes):
-            j = i
-            while j < len(self.sizes) and self.sizes[j] == self.sizes[i]:
-                j += 1
-            self.runs.append((i, j - i, self.sizes[i], offset))
-            offset += (j - i) * self.sizes[i]
-            i = j
-        self.offsets = [0]
-        for n in self.sizes[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.first_large = next(
-            (i for i, n in enumerate(self.sizes) if n >= LARGE), len(self.sizes)
-        )
-        self.small_numel = sum(self.sizes[: self.first_large])
+        self.runs: list[Run] = []
+        offset = first_index = 0
+        for n in merged + own:
+            count = len(by_size[n])
+            self.runs.append(Run(first_index, count, n, offset))
+            first_index += count
+            offset += count * n
+        self.merged_runs = len(merged)
+        self.merged_numel = sum(n * len(by_size[n]) for n in merged)
+        self.merged_tensors = sum(len(by_size[n]) for n in merged)
+        device = self.p.device
+        # Per-element index of the tensor each merged element belongs to, and the row buffer
+        # that carries each tensor's step size into the kernel.
+        self.merged_sizes = torch.tensor(self.sizes[: self.merged_tensors], device=device)
+        self.step_rows = torch.empty((len(self.params), 1), dtype=mdtype, device=device)
         self.flats = (self.g, self.p, self.nu, self.mu)
         for p, view in zip(self.params, self.p_views, strict=True):
             p.data = view
         self.data_ptrs = [v.data_ptr() for v in self.p_views]
-        self._kernel: Callable[..., None] | None = None
+        self._compiled: dict[str, Callable[..., Any]] = {}
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         return [
@@ -166,16 +220,42 @@ class FlatBucket:
                 view.copy_(current)
                 entry[name] = view
 
-    def _run_norms(self, flat: Tensor) -> Tensor:
-        """The L2 norm of every tensor of the bucket (in the moment dtype), one op per run."""
+    def _rows(self, flat: Tensor, run: Run) -> Tensor:
+        return flat[run.offset : run.offset + run.count * run.size].view(run.count, run.size)
+
+    def _norms(self, flat: Tensor) -> Tensor:
+        """The L2 norm of every tensor of the bucket (in the moment dtype), one call per run.
+
+        Long float32/float64 rows use BLAS dot products (one stream at full read bandwidth);
+        small runs one eager ``vector_norm``; the others a compiled cascade sum (no widened
+        copy of 16-bit rows; like the dot products, more accurate than ``vector_norm``)."""
         mdtype = self.nu.dtype
-        parts = [
-            torch.linalg.vector_norm(
-                flat[offset : offset + count * size].view(count, size), dim=1, dtype=mdtype
-            )
-            for _, count, size, offset in self.runs
-        ]
+        parts = []
+        for run in self.runs:
+            rows = self._rows(flat, run)
+            if flat.dtype == mdtype and run.size >= DOT_ROWS and run.count <= DOT_MAX_COUNT:
+                parts.append(torch.stack([torch.dot(r, r) for r in rows]).sqrt_())
+            elif run.count * run.size < MERGE:  # small: an eager op costs less than a call
+                parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=mdtype))
+            else:
+                form = "norms" if run.count > 1 else "norms_single"
+                parts.append(self._call(form, rows, mdtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def gather_grads(self, present: list[int]) -> None:
+        """Copy gradients that are not views of the bucket in, and make ``.grad`` the view."""
+        params, views = self.params, self.g_views
+        dst = []
+        src = []
+        for i in present:
+            g = params[i].grad
+            if g is not views[i]:
+                dst.append(views[i])
+                src.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
+            for i in present:
+                params[i].grad = views[i]
 
     def step(
         self,
@@ -191,57 +271,48 @@ class FlatBucket:
         eps: float,
     ) -> None:
         """One update of the params at ``present`` (bucket indices of params with a gradient)."""
+        self.gather_grads(present)
         params = self.params
-        dst = []
-        src = []
-        for i in present:
-            g = params[i].grad
-            view = self.g_views[i]
-            if g is not view:
-                dst.append(view)
-                src.append(g)
-        if dst:
-            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
-            if self.g.dtype == self.p.dtype:
-                for i in present:
-                    params[i].grad = self.g_views[i]
         absent = (
             [] if len(present) == len(params) else sorted(set(range(len(params))) - set(present))
         )
         for i in absent:
             self.g_views[i].zero_()
         if agc > 0:
-            upper = agc * torch.clamp(self._run_norms(self.p), min=pmin)
-            factor = 1.0 / torch.clamp(self._run_norms(self.g) / upper, min=1.0)
+            upper = agc * torch.clamp(self._norms(self.p), min=pmin)
+            factor = 1.0 / torch.clamp(self._norms(self.g) / upper, min=1.0)
         else:
             factor = torch.ones(len(params), dtype=self.nu.dtype, device=self.p.device)
+        factor = factor.view(-1, 1)
         # Params without a gradient keep value and state: the kernel runs over the whole
         # bucket (their gradient is zero), then what it changed of theirs is put back.
         saved = [
             (i, self.p_views[i].clone(), self.nu_views[i].clone(), self.mu_views[i].clone())
             for i in absent
         ]
-        values = (-lr / bc1, 1 / bc2, beta1, beta2, eps)
+        step_size = -lr / bc1
+        self.step_rows.fill_(step_size)
+        values = (1 / bc2, beta1, beta2, eps)
         scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
-        # Small tensors: their clip factors are applied to the gradient buffer (one op per run),
-        # then one kernel call covers them all. Large tensors: one call each, with the factor as
-        # an argument (no extra pass over memory). Kernels always see 1-D runs ([1, n] views):
-        # broadcasting a per-row factor over 2-D views compiles to a kernel twice as slow.
-        small = self.small_numel
-        if small:
-            if agc > 0:
-                for first, count, size, offset in self.runs:
-                    if size >= LARGE:
-                        break
-                    block = self.g[offset : offset + count * size].view(count, size)
-                    block.mul_(factor[first : first + count, None])
-            one = torch.ones((1, 1), dtype=self.nu.dtype, device=self.p.device)
-            self._run(*(t[:small].view(1, small) for t in self.flats), one, *scalars)
-        for i in range(self.first_large, len(params)):
-            offset, size = self.offsets[i], self.sizes[i]
-            self._run(
-                *(t[offset : offset + size].view(1, size) for t in self.flats),
-                factor[i].view(1, 1),
+        if self.merged_numel:
+            n = self.merged_numel
+            spread = torch.repeat_interleave(
+                factor[: self.merged_tensors, 0], self.merged_sizes, output_size=n
+            )
+            self._call(
+                "spread",
+                *(t[:n].view(1, n) for t in self.flats),
+                spread.view(1, n),
+                self.step_rows[:1],
+                *scalars,
+            )
+        for run in self.runs[self.merged_runs :]:
+            rows = slice(run.first, run.first + run.count)
+            self._call(
+                "rows" if run.count > 1 else "single",
+                *(self._rows(t, run) for t in self.flats),
+                factor[rows],
+                self.step_rows[rows],
                 *scalars,
             )
         for i, p, nu, mu in saved:
@@ -249,19 +320,20 @@ class FlatBucket:
             self.nu_views[i].copy_(nu)
             self.mu_views[i].copy_(mu)
 
-    def _run(self, *args: Tensor) -> None:
-        if self._kernel is None:
+    def _call(self, form: str, *args: Any) -> Any:
+        fn = self._compiled.get(form)
+        if fn is None:
             try:
-                kernel = _compiled_kernel()
-                kernel(*args)
-                self._kernel = kernel
-                return
+                fn = _compile_form(form)
+                out = fn(*args)
+                self._compiled[form] = fn
+                return out
             except Exception as err:  # no compiler on this machine, an unsupported device...
                 warnings.warn(
-                    f"DreamerV3Optimizer: torch.compile of the fused kernel failed ({err!r}); "
-                    "running it eagerly",
+                    f"DreamerV3Optimizer: torch.compile of the fast path's {form!r} function "
+                    f"failed ({err!r}); running it eagerly",
                     RuntimeWarning,
                     stacklevel=4,
                 )
-                self._kernel = dreamerv3_kernel
-        self._kernel(*args)
+                fn = self._compiled[form] = _FORMS[form]
+        return fn(*args)

@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from functional_opt.adapters import DreamerV3Optimizer
-from functional_opt.adapters.flat_dreamerv3 import LARGE
+from functional_opt.adapters.flat_dreamerv3 import MERGE
 
 
 def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    shapes = [(3, 5), (5,), (3, 5), (7,), (), (LARGE + 3,), (2, LARGE // 2), (5,), (1,)]
+    # Merged runs (small sizes; 2 x 20000 < MERGE elements), a run of one large tensor, a 2-D
+    # run of three equal tensors and one of two, a 0-d param.
+    shapes = [(3, 5), (5,), (3, 5), (7,), (), (MERGE + 3,), (2, MERGE // 2), (5,), (1,)]
+    shapes += [(100, 300), (20000,), (300, 100), (MERGE // 2,), (100, 300), (20000,), (MERGE // 2,)]
     return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in shapes]
 
 
