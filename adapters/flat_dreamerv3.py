@@ -143,7 +143,7 @@ class Run(NamedTuple):
     ``offset`` of the bucket."""
 
     first: int
-    count: int
+    rows: int
     size: int
     offset: int
 
@@ -221,7 +221,7 @@ class FlatBucket:
                 entry[name] = view
 
     def _rows(self, flat: Tensor, run: Run) -> Tensor:
-        return flat[run.offset : run.offset + run.count * run.size].view(run.count, run.size)
+        return flat[run.offset : run.offset + run.rows * run.size].view(run.rows, run.size)
 
     def _norms(self, flat: Tensor) -> Tensor:
         """The L2 norm of every tensor of the bucket (in the moment dtype), one call per run.
@@ -233,12 +233,12 @@ class FlatBucket:
         parts = []
         for run in self.runs:
             rows = self._rows(flat, run)
-            if flat.dtype == mdtype and run.size >= DOT_ROWS and run.count <= DOT_MAX_COUNT:
+            if flat.dtype == mdtype and run.size >= DOT_ROWS and run.rows <= DOT_MAX_COUNT:
                 parts.append(torch.stack([torch.dot(r, r) for r in rows]).sqrt_())
-            elif run.count * run.size < MERGE:  # small: an eager op costs less than a call
+            elif run.rows * run.size < MERGE:  # small: an eager op costs less than a call
                 parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=mdtype))
             else:
-                form = "norms" if run.count > 1 else "norms_single"
+                form = "norms" if run.rows > 1 else "norms_single"
                 parts.append(self._call(form, rows, mdtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -307,9 +307,9 @@ class FlatBucket:
                 *scalars,
             )
         for run in self.runs[self.merged_runs :]:
-            rows = slice(run.first, run.first + run.count)
+            rows = slice(run.first, run.first + run.rows)
             self._call(
-                "rows" if run.count > 1 else "single",
+                "rows" if run.rows > 1 else "single",
                 *(self._rows(t, run) for t in self.flats),
                 factor[rows],
                 self.step_rows[rows],
