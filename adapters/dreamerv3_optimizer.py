@@ -16,7 +16,7 @@ from torch import Tensor
 
 from functional_opt.dreamerv3 import dreamerv3
 
-from .flat_dreamerv3 import FlatBucket, eligible
+from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params
 from .transform_optimizer import TransformOptimizer, _Layout
 
 __all__ = ["DreamerV3Optimizer"]
@@ -94,7 +94,11 @@ class DreamerV3Optimizer(TransformOptimizer):
         params: list[Tensor] = group["params"]
         buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]]
         buckets = self.__dict__.setdefault("_buckets", {})
-        if not (self.flat_step and eligible(params, group)):
+        flat = self._flat_buckets(index, params, buckets) if self.flat_step else None
+        present = None
+        if flat is not None and eligible_options(group):
+            present = [bucket.gather_grads() for bucket in flat]
+        if flat is None or present is None or any(p is None for p in present):
             buckets.pop(index, None)  # the generic path may create state outside the buckets
             super()._step_group(index, group)
             return
@@ -104,12 +108,11 @@ class DreamerV3Optimizer(TransformOptimizer):
         lr = group["lr"] * (min(1.0, (step - 1) / warmup) if warmup else 1.0)
         b1, b2 = group["beta1"], group["beta2"]
         names = (self.state_names["nu"], self.state_names["ema"])
-        for bucket in self._flat_buckets(index, params, buckets):
-            present = [i for i, p in enumerate(bucket.params) if p.grad is not None]
-            if not present:
+        for bucket, indices in zip(flat, present, strict=True):
+            if not indices:
                 continue
             bucket.step(
-                present,
+                indices,  # type: ignore[arg-type]
                 lr=lr,
                 bc1=1 - b1**step,
                 bc2=1 - b2**step,
@@ -119,11 +122,7 @@ class DreamerV3Optimizer(TransformOptimizer):
                 beta2=b2,
                 eps=group["eps"],
             )
-            for i in present:
-                entry = self.state[bucket.params[i]]
-                if not entry:
-                    entry[names[0]] = bucket.nu_views[i]
-                    entry[names[1]] = bucket.mu_views[i]
+            bucket.bind_state(self.state, names, indices)  # type: ignore[arg-type]
         group["step"] = step
 
     def _flat_buckets(
@@ -131,12 +130,15 @@ class DreamerV3Optimizer(TransformOptimizer):
         index: int,
         params: list[Tensor],
         buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]],
-    ) -> list[FlatBucket]:
-        """The group's buckets (one per device and dtype), rebuilt when its params changed."""
+    ) -> list[FlatBucket] | None:
+        """The group's buckets (one per device and dtype), rebuilt when its params changed;
+        ``None`` when the flat path cannot hold its params."""
         ids = tuple(map(id, params))
         cached = buckets.get(index)
         if cached is not None and cached[0] == ids and all(b.intact() for b in cached[1]):
             return cached[1]
+        if not eligible_params(params):
+            return None
         by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for p in params:
             by_kind.setdefault((p.device, p.dtype), []).append(p)

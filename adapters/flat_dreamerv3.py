@@ -31,6 +31,7 @@ or fails, the same kernel runs eagerly.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["FlatBucket", "dreamerv3_kernel", "eligible"]
+__all__ = ["FlatBucket", "dreamerv3_kernel", "eligible_options", "eligible_params"]
 
 
 def dreamerv3_kernel(
@@ -118,19 +119,30 @@ def _compile_form(form: str) -> Callable[..., Any]:
     return _COMPILED[form]
 
 
-def eligible(params: Sequence[Tensor], options: dict[str, Any]) -> bool:
-    """Whether the flat path can run a group: plain dense floating tensors, numeric options."""
-    for p in params:
-        if type(p) not in (Tensor, torch.nn.Parameter) or p.layout != torch.strided:
-            return False
-        if not p.is_floating_point():
-            return False
-        g = p.grad
-        if g is not None and (type(g) is not Tensor or g.is_sparse):
-            return False
+def eligible_params(params: Sequence[Tensor]) -> bool:
+    """Whether the flat path can hold these params: plain dense floating tensors."""
+    return all(
+        type(p) in (Tensor, torch.nn.Parameter)
+        and p.layout == torch.strided
+        and p.is_floating_point()
+        for p in params
+    )
+
+
+def eligible_options(options: dict[str, Any]) -> bool:
+    """Whether a group's options are Python numbers (tensor options take the generic path)."""
     return all(
         isinstance(options[k], (int, float)) and not isinstance(options[k], bool)
         for k in ("lr", "agc", "parameter_norm_min", "beta1", "beta2", "eps", "warmup_steps")
+    )
+
+
+def _eligible_grad(g: Tensor, view: Tensor) -> bool:
+    return (
+        type(g) is Tensor
+        and g.layout == torch.strided
+        and g.shape == view.shape
+        and g.device == view.device
     )
 
 
@@ -139,7 +151,7 @@ def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Run(NamedTuple):
-    """``count`` tensors of ``size`` elements each, starting at tensor ``first`` and element
+    """``rows`` tensors of ``size`` elements each, starting at tensor ``first`` and element
     ``offset`` of the bucket."""
 
     first: int
@@ -194,6 +206,9 @@ class FlatBucket:
         for p, view in zip(self.params, self.p_views, strict=True):
             p.data = view
         self.data_ptrs = [v.data_ptr() for v in self.p_views]
+        self.everyone = list(range(len(self.params)))
+        self.unbound = set(self.everyone)
+        """Params whose optimizer-state entries are not yet the bucket's views."""
         self._compiled: dict[str, Callable[..., Any]] = {}
 
     def _views(self, flat: Tensor) -> list[Tensor]:
@@ -203,13 +218,15 @@ class FlatBucket:
 
     def intact(self) -> bool:
         """Whether every param still lives in the bucket (nobody re-pointed ``p.data``)."""
-        return [p.data_ptr() for p in self.params] == self.data_ptrs
+        return list(map(Tensor.data_ptr, self.params)) == self.data_ptrs
 
     def adopt_state(self, states: dict[Tensor, dict[str, Any]], names: tuple[str, str]) -> None:
         """Make ``states[p][names]`` the bucket's views, copying values that live elsewhere
         (after ``load_state_dict``, or state made by the generic path)."""
         rms, momentum = names
-        for p, nu, mu in zip(self.params, self.nu_views, self.mu_views, strict=True):
+        for i, (p, nu, mu) in enumerate(
+            zip(self.params, self.nu_views, self.mu_views, strict=True)
+        ):
             entry = states.get(p)
             if not entry:
                 continue
@@ -219,6 +236,20 @@ class FlatBucket:
                     continue
                 view.copy_(current)
                 entry[name] = view
+            self.unbound.discard(i)
+
+    def bind_state(
+        self, states: dict[Tensor, dict[str, Any]], names: tuple[str, str], present: list[int]
+    ) -> None:
+        """Give the params at ``present`` that have no state entry yet the bucket's views."""
+        if not self.unbound:
+            return
+        for i in present:
+            if i in self.unbound:
+                entry = states[self.params[i]]
+                entry[names[0]] = self.nu_views[i]
+                entry[names[1]] = self.mu_views[i]
+                self.unbound.discard(i)
 
     def _rows(self, flat: Tensor, run: Run) -> Tensor:
         return flat[run.offset : run.offset + run.rows * run.size].view(run.rows, run.size)
@@ -242,20 +273,30 @@ class FlatBucket:
                 parts.append(self._call(form, rows, mdtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def gather_grads(self, present: list[int]) -> None:
-        """Copy gradients that are not views of the bucket in, and make ``.grad`` the view."""
-        params, views = self.params, self.g_views
-        dst = []
-        src = []
-        for i in present:
-            g = params[i].grad
-            if g is not views[i]:
-                dst.append(views[i])
-                src.append(g)
-        if dst:
-            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
-            for i in present:
-                params[i].grad = views[i]
+    def gather_grads(self) -> list[int] | None:
+        """The bucket indices of the params with a gradient, after copying gradients that are
+        not views of the bucket in (their ``.grad`` becomes the view); ``None`` if a gradient
+        is one the flat path cannot take (sparse, a tensor subclass), before copying anything.
+        """
+        views = self.g_views
+        grads = [p.grad for p in self.params]
+        if all(map(operator.is_, grads, views)):  # the usual step: nothing to do
+            return self.everyone
+        present = []
+        copy = []
+        for i, (g, view) in enumerate(zip(grads, views, strict=True)):
+            if g is None:
+                continue
+            present.append(i)
+            if g is not view:
+                if not _eligible_grad(g, view):
+                    return None
+                copy.append(i)
+        if copy:
+            torch._foreach_copy_([views[i] for i in copy], [grads[i] for i in copy])  # type: ignore[misc]
+            for i in copy:
+                self.params[i].grad = views[i]
+        return present
 
     def step(
         self,
@@ -270,8 +311,7 @@ class FlatBucket:
         beta2: float,
         eps: float,
     ) -> None:
-        """One update of the params at ``present`` (bucket indices of params with a gradient)."""
-        self.gather_grads(present)
+        """One update of the params at ``present`` (from :meth:`gather_grads`)."""
         params = self.params
         absent = (
             [] if len(present) == len(params) else sorted(set(range(len(params))) - set(present))
