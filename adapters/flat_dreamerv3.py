@@ -5,15 +5,15 @@ and ``p`` that adaptive clipping needs. This path keeps, for each (device, dtype
 param group, the params, their gradients and both moments in contiguous flat buffers (the params,
 their ``.grad`` and the optimizer state become views into them, as DDP's
 ``gradient_as_bucket_view`` does for gradients). Tensors are laid out in *runs* of equal size,
-so a run of ``count`` tensors of ``size`` elements is a 2-D view ``[count, size]`` and one step
+so a run of ``rows`` tensors of ``size`` elements is a 2-D view ``[rows, size]`` and one step
 is:
 
 1. per-tensor norms of gradients and params: one reduction per run, giving the clip factors;
-2. one call per run of the elementwise kernel :func:`dreamerv3_kernel`, compiled once with
-   ``torch.compile`` (``dynamic=True``: one kernel serves every shape), reading ``g, p, nu, mu``
-   and writing ``nu, mu, p`` with the run's clip factors and step sizes broadcast per row. Runs
-   too small to be worth a call of their own (fewer than ``MERGE`` elements in all) share one
-   call, with the clip factor spread per element.
+2. one call per run of the elementwise kernel ``functional_opt._kernels.apply_kernel``,
+   compiled once with ``torch.compile`` (``dynamic=True``: one kernel serves every shape),
+   reading ``g, p, nu, mu`` and writing ``nu, mu, p`` with the run's clip factors and step sizes
+   broadcast per row. Runs too small to be worth a call of their own (fewer than ``MERGE``
+   elements in all) share one call, with the clip factor spread per element.
 
 So 2000 tensors of one size cost what one large tensor costs, and a model with a handful of
 distinct shapes makes a handful of kernel calls. Gradients and params are never modified outside
@@ -32,54 +32,32 @@ or fails, the same kernel runs eagerly.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["FlatBucket", "dreamerv3_kernel", "eligible_options", "eligible_params"]
+from functional_opt import _kernels
+from functional_opt._kernels import apply_kernel
+
+__all__ = ["FlatBucket", "eligible_options", "eligible_params"]
 
 
-def dreamerv3_kernel(
-    g: Tensor,
-    p: Tensor,
-    nu: Tensor,
-    mu: Tensor,
-    factor: Tensor,
-    step_size: Tensor,
-    inv_bc2: Tensor,
-    beta1: Tensor,
-    beta2: Tensor,
-    eps: Tensor,
-) -> None:
-    """One DreamerV3 update of 2-D views ``[rows, n]`` in place (``nu``, ``mu``, ``p``):
-    ``g' = factor g`` (rounded to ``g``'s dtype, as the clip of the chain is);
-    ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu' inv_bc2) + eps)``;
-    ``mu' = b1 mu + (1-b1) r``; ``p' = p + step_size mu'``, where ``inv_bc2 = 1/(1-b2^t)`` and
-    ``step_size = -lr_t/(1-b1^t)``. ``factor`` and ``step_size`` broadcast per row (``[rows, 1]``)
-    or per element; the other scalars are 0-d tensors (one division per element, not three).
-    """
-    gs = (g.to(nu.dtype) * factor).to(g.dtype).to(nu.dtype)
-    nu_new = beta2 * nu + (1 - beta2) * (gs * gs)
-    r = gs / (torch.sqrt(nu_new * inv_bc2) + eps)
-    mu_new = beta1 * mu + (1 - beta1) * r
-    nu.copy_(nu_new)
-    mu.copy_(mu_new)
-    p.copy_((p.to(mu.dtype) + mu_new * step_size).to(p.dtype))
+# One function (so one compiled cache) per call form, so that each form's guards (sizes of one
+# specialize) and each dtype take one cache entry of their own function.
 
 
 def _rows_kernel(*args: Tensor) -> None:
-    dreamerv3_kernel(*args)  # a run of at least two tensors: factor and step per row
+    apply_kernel(*args)  # a run of at least two tensors: factor and step per row
 
 
 def _single_kernel(*args: Tensor) -> None:
-    dreamerv3_kernel(*args)  # one tensor: ``[1, n]`` with ``[1, 1]`` factor and step
+    apply_kernel(*args)  # one tensor: ``[1, n]`` with ``[1, 1]`` factor and step
 
 
 def _spread_kernel(*args: Tensor) -> None:
-    dreamerv3_kernel(*args)  # the merged region: a factor per element
+    apply_kernel(*args)  # the merged region: a factor per element
 
 
 def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -93,8 +71,6 @@ def _row_norms_single(x: Tensor, dtype: torch.dtype) -> Tensor:
     return _row_norms(x, dtype)  # one row: its own cache entry (sizes of one specialize)
 
 
-# One compiled function per call form, so that each form's guards (sizes of one specialize)
-# and each dtype take one cache entry of their own function.
 _FORMS: dict[str, Callable[..., Any]] = {
     "rows": _rows_kernel,
     "single": _single_kernel,
@@ -102,7 +78,6 @@ _FORMS: dict[str, Callable[..., Any]] = {
     "norms": _row_norms,
     "norms_single": _row_norms_single,
 }
-_COMPILED: dict[str, Callable[..., Any]] = {}
 
 MERGE = 1 << 16
 """Runs with fewer elements than this (all their tensors together) share one kernel call."""
@@ -111,12 +86,6 @@ DOT_ROWS = 1 << 14
 DOT_MAX_COUNT = 256
 """Norms of runs of at most ``DOT_MAX_COUNT`` float32/64 tensors of at least ``DOT_ROWS``
 elements are BLAS dot products, one per tensor."""
-
-
-def _compile_form(form: str) -> Callable[..., Any]:
-    if form not in _COMPILED:
-        _COMPILED[form] = torch.compile(_FORMS[form], fullgraph=True, dynamic=True)
-    return _COMPILED[form]
 
 
 def eligible_params(params: Sequence[Tensor]) -> bool:
@@ -164,7 +133,7 @@ class FlatBucket:
     """Params of one (device, dtype) bucket with their gradients and moments in flat buffers.
 
     Layout: the runs small enough to share a kernel call first (the *merged region*), then the
-    others, each group sorted by size; every run is a 2-D view ``[count, size]``.
+    others, each group sorted by size; every run is a 2-D view ``[rows, size]``.
     """
 
     def __init__(self, params: list[Tensor]) -> None:
@@ -209,7 +178,6 @@ class FlatBucket:
         self.everyone = list(range(len(self.params)))
         self.unbound = set(self.everyone)
         """Params whose optimizer-state entries are not yet the bucket's views."""
-        self._compiled: dict[str, Callable[..., Any]] = {}
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         return [
@@ -361,19 +329,4 @@ class FlatBucket:
             self.mu_views[i].copy_(mu)
 
     def _call(self, form: str, *args: Any) -> Any:
-        fn = self._compiled.get(form)
-        if fn is None:
-            try:
-                fn = _compile_form(form)
-                out = fn(*args)
-                self._compiled[form] = fn
-                return out
-            except Exception as err:  # no compiler on this machine, an unsupported device...
-                warnings.warn(
-                    f"DreamerV3Optimizer: torch.compile of the fast path's {form!r} function "
-                    f"failed ({err!r}); running it eagerly",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                fn = self._compiled[form] = _FORMS[form]
-        return fn(*args)
+        return _kernels.call(_FORMS[form], *args)

@@ -119,6 +119,8 @@ def ours_functional(
     tx = fo.dreamerv3(lr=1e-4, warmup=0)
     holder = {"p": [p.detach().clone() for p in params]}
     grads = [p.grad for p in params]
+    # With donation the update is written into the gradients' buffers, so later steps see other
+    # gradient values (the same work: no branch depends on them), as the adapter's steps do.
     holder["s"] = tx.init(holder["p"])
     update = torch.compile(tx.update, fullgraph=True) if compiled else tx.update
 
@@ -126,7 +128,7 @@ def ours_functional(
 
     def step() -> None:
         u, holder["s"] = update(grads, holder["s"], holder["p"], **extra)
-        holder["p"] = fo.apply_updates(holder["p"], u)
+        holder["p"] = fo.apply_updates(holder["p"], u, donate=donate)
 
     return step
 

@@ -252,9 +252,14 @@ def norms(xs: Sequence[Tensor]) -> list[Tensor]:
     the norm of the whole tensor, as a plain tensor (see :func:`full_values`)."""
     if not xs:
         return []
-    xs = [x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in xs]
+    half = any(x.dtype in _HALF for x in xs)
     if use_foreach(xs):
+        if half and all(type(x) is Tensor and x.dtype in (*_HALF, torch.float32) for x in xs):
+            # accumulated and returned in float32, without float32 copies of the inputs
+            return full_values(torch._foreach_norm(list(xs), 2, dtype=torch.float32))
+        xs = [x.float() if x.dtype in _HALF else x for x in xs] if half else xs
         return full_values(torch._foreach_norm(list(xs)))
+    xs = [x.float() if x.dtype in _HALF else x for x in xs]
     return full_values([torch.linalg.vector_norm(x) for x in xs])
 
 

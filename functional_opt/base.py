@@ -23,9 +23,11 @@ __all__ = [
     "apply_updates",
     "chain",
     "donating",
+    "donating_updates",
     "identity",
     "named_chain",
     "safe_increment",
+    "state_donation",
     "stateless",
     "without_donation",
     "zero_count",
@@ -74,22 +76,41 @@ def safe_increment(count: Tensor) -> Tensor:
 
 
 DONATE = "donate"
-"""The keyword of donation mode: ``tx.update(updates, state, params, donate=True)`` promises
-that the caller never uses ``state`` again, so transforms may write the new state into its
-buffers (as JAX's ``donate_argnums``). Results are identical either way."""
+"""The keyword of donation mode. ``tx.update(updates, state, params, donate=True)`` promises
+that the caller never uses ``state`` or ``updates`` again, so transforms may write the new state
+into the state's buffers and the new updates into the incoming updates' buffers (as JAX's
+``donate_argnums``); ``donate="state"`` promises it for ``state`` only. Results are identical
+either way."""
+
+STATE_ONLY = "state"
+
+
+def _flag(extra: dict[str, Any]) -> bool | str:
+    flag = extra.get(DONATE, False)
+    if not (isinstance(flag, bool) or flag == STATE_ONLY):
+        raise TypeError(f"{DONATE}= must be a Python bool or {STATE_ONLY!r}, got {flag!r}")
+    return flag  # type: ignore[no-any-return]
 
 
 def donating(extra: dict[str, Any]) -> bool:
-    """Whether an update's extra arguments ask for donation mode (a Python bool)."""
-    flag = extra.get(DONATE, False)
-    if not isinstance(flag, bool):
-        raise TypeError(f"{DONATE}= must be a Python bool, got {flag!r}")
-    return flag
+    """Whether an update's extra arguments donate the state (``donate=True`` or ``"state"``)."""
+    return bool(_flag(extra))
+
+
+def donating_updates(extra: dict[str, Any]) -> bool:
+    """Whether an update's extra arguments also donate the incoming updates (``donate=True``)."""
+    return _flag(extra) is True
 
 
 def without_donation(extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` minus the donation flag: for a wrapper that may still need the old state."""
     return {k: v for k, v in extra.items() if k != DONATE}
+
+
+def state_donation(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` with at most the state donated: for passing updates the caller did not donate
+    (made by another transform, which may still own them) to an inner transform."""
+    return {**extra, DONATE: STATE_ONLY} if _flag(extra) else extra
 
 
 def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
@@ -134,8 +155,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"{len(transforms)} states"
             )
         new_states = []
-        for t, s in zip(transforms, state, strict=True):
-            updates, s = t.update(updates, s, params, **extra)
+        # Only the first transform gets the caller's updates; the others get updates made by
+        # the transform before them, which may be that transform's state, so they may not
+        # write into them.
+        later = state_donation(extra)
+        for i, (t, s) in enumerate(zip(transforms, state, strict=True)):
+            updates, s = t.update(updates, s, params, **(extra if i == 0 else later))
             new_states.append(s)
         return updates, tuple(new_states)
 
@@ -163,8 +188,15 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     return GradientTransformation(init_fn, update_fn)
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
-    """``p + u`` leaf by leaf, cast back to each param's dtype; a ``None`` update keeps ``p``."""
+def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> Params:
+    """``p + u`` leaf by leaf, cast back to each param's dtype; a ``None`` update keeps ``p``.
+
+    ``donate=True`` promises that the caller never uses ``params`` again: the sums are then
+    written into the params' buffers (same arithmetic, same result) where that is safe (plain
+    tensors that autograd does not track).
+    """
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate= must be a Python bool, got {donate!r}")
     pvals, spec = tree.flatten(params)
     where = tree.Leaves(pvals, spec, params, "params")
     uvals = where.flat(updates, "updates")
@@ -174,8 +206,26 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         if p is not None and u is not None
     ]
     xs = [pvals[i] for i in idx]
-    new = _lists.like(_lists.add(xs, [uvals[i] for i in idx]), xs)
+    us = [uvals[i] for i in idx]
+    if donate and _in_place_ok(xs, us):
+        torch._foreach_add_(xs, us)
+        return params
+    new = _lists.like(_lists.add(xs, us), xs)
     out = list(pvals)
     for i, v in zip(idx, new, strict=True):
         out[i] = v
     return tree.unflatten(spec, out)
+
+
+def _in_place_ok(xs: list[Tensor], us: list[Tensor]) -> bool:
+    if not (_lists.use_foreach(xs) and _lists.use_foreach(us)):
+        return False
+    if len({id(x) for x in xs}) != len(xs):
+        return False  # a param twice in the tree: each sum must see the old value
+    tracked = any(x.requires_grad or u.requires_grad for x, u in zip(xs, us, strict=True))
+    if tracked and torch.is_grad_enabled():
+        return False  # autograd may need the old values, and leaves refuse in-place ops
+    return all(
+        x.dtype == torch.promote_types(x.dtype, u.dtype) and x.shape == u.shape
+        for x, u in zip(xs, us, strict=True)
+    )

@@ -9,7 +9,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from functional_opt import _lists, _validate, tree
+from functional_opt import _kernels, _lists, _validate, tree
 from functional_opt.base import (
     GradientTransformation,
     OptState,
@@ -17,6 +17,7 @@ from functional_opt.base import (
     Updates,
     chain,
     donating,
+    donating_updates,
     safe_increment,
 )
 from functional_opt.schedules import Schedule
@@ -148,7 +149,9 @@ def dreamerv3(
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        fast = _fused_update(hyper, updates, state, params, donating(extra))
+        fast = _fused_update(
+            hyper, updates, state, params, donating(extra), donating_updates(extra)
+        )
         return fast if fast is not None else reference.update(updates, state, params, **extra)
 
     return GradientTransformation(reference.init, update_fn)
@@ -166,13 +169,28 @@ class _Hyper(NamedTuple):
     schedule: Schedule
 
 
+KERNEL_MIN = 1 << 16
+"""Leaves with at least this many elements take the compiled single-pass kernel in eager mode
+(when its options allow: momentum without Nesterov, no weight decay)."""
+
+
 def _fused_update(
-    h: _Hyper, updates: Updates, state: OptState, params: Params | None, donate: bool
+    h: _Hyper,
+    updates: Updates,
+    state: OptState,
+    params: Params | None,
+    donate: bool,
+    donate_updates: bool = False,
 ) -> tuple[Updates, OptState] | None:
     """The chain's update in fewer passes and allocations, for multi-tensor-ready lists in eager
-    mode (``None``: not applicable, run the chain). The same ops in the same order as the chain,
-    with temporaries reused in place, so the result equals the chain's (bit for bit for float32
-    and float64)."""
+    mode (``None``: not applicable, run the chain).
+
+    Large leaves (``KERNEL_MIN``) go through one compiled single-pass kernel each
+    (:mod:`functional_opt._kernels`; equal to the chain to float rounding). The others run the
+    same ops in the same order as the chain, with temporaries reused in place, so their result
+    equals the chain's (bit for bit for float32 and float64). Which leaves take which path
+    depends only on their size and layout, never on ``donate``, so donation never changes a
+    result."""
     if params is None or torch.compiler.is_compiling():
         return None
     g, at = tree.split(updates)
@@ -183,36 +201,126 @@ def _fused_update(
     nu_old = at.take(rms_state.nu, "state.nu")
     if not (_lists.use_foreach(g, *h) and _lists.use_foreach(p) and _lists.use_foreach(nu_old)):
         return None
-    # clip_by_agc: a fresh tensor per leaf, which later steps may overwrite.
     agc_active = not (isinstance(h.agc, (int, float)) and h.agc == 0)
-    gs = _lists.mul(g, agc_factors(g, p, h.agc, h.pmin)) if agc_active else list(g)
-    # scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True)
+    factors = agc_factors(g, p, h.agc, h.pmin) if agc_active else None
     count = safe_increment(rms_state.count)
+    sched_state: ScaleByScheduleState = state[-1]
+    lr_step = -1.0 * torch.as_tensor(h.schedule(sched_state.count))
+    new_state = list(state)
+    new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
+    mu_old: list[Tensor] = []
+    ema_count = count
+    if h.momentum:
+        ema_state: EmaState = state[2]
+        mu_old = at.take(ema_state.ema, "state.ema")
+        ema_count = safe_increment(ema_state.count)
+    big = _kernel_leaves(h, g, nu_old, mu_old)
+    small = [i for i in range(len(g)) if i not in big] if big else list(range(len(g)))
+    u: list[Tensor] = [g[0]] * len(g)
+    nu: list[Tensor] = [g[0]] * len(g)
+    mu: list[Tensor] = [g[0]] * len(g)
+    if small:
+        parts = _foreach_update(
+            h,
+            [g[i] for i in small],
+            [p[i] for i in small],
+            [nu_old[i] for i in small],
+            [mu_old[i] for i in small] if h.momentum else [],
+            None if factors is None else [factors[i] for i in small],
+            count,
+            ema_count,
+            lr_step,
+            donate,
+        )
+        for out, values in zip((u, nu, mu), parts, strict=True):
+            for i, v in zip(small, values, strict=bool(values)):  # no mu without momentum
+                out[i] = v
+    if big:
+        inv_bc2 = 1 / (1 - torch.as_tensor(h.beta2, dtype=torch.float64) ** count.double())
+        step = lr_step / (1 - torch.as_tensor(h.beta1, dtype=torch.float64) ** ema_count.double())
+        scalars = [torch.as_tensor(x, dtype=torch.float64) for x in (h.beta1, h.beta2, h.eps)]
+        one = torch.ones((), dtype=torch.float32)
+        for i in big:
+            factor = one if factors is None else factors[i]
+            args = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1), factor, step, inv_bc2)
+            if donate and donate_updates and _writable(g[i]):
+                _kernels.call(_kernels.update_kernel_in_place, *args, *scalars)
+                nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
+                continue
+            if donate:
+                flat_u = _kernels.call(_kernels.update_kernel_donated, *args, *scalars)
+                nu[i], mu[i] = nu_old[i], mu_old[i]
+            else:
+                flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args, *scalars)
+                nu[i], mu[i] = flat_nu.view_as(nu_old[i]), flat_mu.view_as(mu_old[i])
+            u[i] = flat_u.view_as(g[i])
+    new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, nu))
+    if h.momentum:
+        new_state[2] = EmaState(ema_count, at.carry(state[2].ema, mu))
+    return at.updates(u), tuple(new_state)
+
+
+def _writable(x: Tensor) -> bool:
+    """Whether a donated update buffer takes the new update in place: not tracked by autograd,
+    and at least 32-bit (writing 16-bit data back into the buffer being read measured twice as
+    slow as writing a fresh one)."""
+    return x.element_size() >= 4 and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _kernel_leaves(h: _Hyper, g: list[Tensor], nu: list[Tensor], mu: list[Tensor]) -> set[int]:
+    """Indices of the leaves that take the compiled kernel: large, contiguous, moments in the
+    kernel's layout, and options the kernel implements."""
+    if not h.momentum or h.nesterov:
+        return set()
+    if not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0):
+        return set()
+    return {
+        i
+        for i, x in enumerate(g)
+        if x.numel() >= KERNEL_MIN
+        and type(x) is Tensor
+        and x.is_contiguous()
+        and nu[i].is_contiguous()
+        and mu[i].is_contiguous()
+        and nu[i].dtype == mu[i].dtype
+        and nu[i].dtype == torch.promote_types(nu[i].dtype, x.dtype)
+    }
+
+
+def _foreach_update(
+    h: _Hyper,
+    g: list[Tensor],
+    p: list[Tensor],
+    nu_old: list[Tensor],
+    mu_old: list[Tensor],
+    factors: list[Tensor] | None,
+    count: Tensor,
+    ema_count: Tensor,
+    lr_step: Tensor,
+    donate: bool,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The chain's ops in order over lists, temporaries reused: ``(u, nu, mu)`` (``mu`` empty
+    without momentum)."""
+    # clip_by_agc: a fresh tensor per leaf, which later steps may overwrite.
+    gs = _lists.mul(g, factors) if factors is not None else list(g)
+    # scale_by_rms(beta2, eps, eps_in_sqrt=False, bias_correction=True)
     nu = _lists.moment(nu_old, gs, h.beta2, 2, donate=donate)
     denom = bias_correction(nu, h.beta2, count)  # fresh
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, h.eps)  # type: ignore[arg-type]
     gw = _lists.like(gs, denom)
-    if agc_active and all(a is b for a, b in zip(gw, gs, strict=True)):
+    if factors is not None and all(a is b for a, b in zip(gw, gs, strict=True)):
         torch._foreach_div_(gw, denom)  # gs is ours: r overwrites it
         r = _lists.like(gw, g)
     else:
         r = _lists.like(_lists.div(gw, denom), g)
-    new_state = list(state)
-    new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, _lists.like(nu, nu_old)))
     out = r
+    mu: list[Tensor] = []
     if h.momentum:
-        ema_state: EmaState = state[2]
-        mu_old = at.take(ema_state.ema, "state.ema")
-        ema_count = safe_increment(ema_state.count)
         mu = _lists.moment(mu_old, r, h.beta1, 1, donate=donate)
         out = _lists.moment(mu, r, h.beta1, 1) if h.nesterov else mu
         out = _lists.like(bias_correction(out, h.beta1, ema_count), g)
-        new_state[2] = EmaState(ema_count, at.carry(ema_state.ema, _lists.like(mu, mu_old)))
+        mu = _lists.like(mu, mu_old)
     if not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0):
         out = _lists.like(_lists.add(out, _lists.like(p, out), alpha=h.weight_decay), out)
-    sched_state: ScaleByScheduleState = state[-1]
-    step = -1.0 * torch.as_tensor(h.schedule(sched_state.count))
-    u = _lists.mul(out, step)
-    new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
-    return at.updates(u), tuple(new_state)
+    return _lists.mul(out, lr_step), _lists.like(nu, nu_old), mu

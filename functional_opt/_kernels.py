@@ -1,0 +1,154 @@
+"""DreamerV3's elementwise update as single-pass kernels, compiled once with ``torch.compile``.
+
+One pass reads ``g, nu, mu`` (and ``p`` where the kernel applies the update) and writes the new
+moments and the update: the clip factor, both bias corrections and the learning rate are folded
+into per-tensor scalars, so there is one division per element and no temporaries. Used by
+``dreamerv3``'s eager update for large leaves and by ``DreamerV3Optimizer``'s flat buffers.
+
+Every kernel is compiled with ``dynamic=True`` (one compilation serves every size) the first
+time it runs, and falls back to running eagerly, with a warning, if compilation fails.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "apply_kernel",
+    "call",
+    "compiled",
+    "moments_math",
+    "update_kernel",
+    "update_kernel_donated",
+    "update_kernel_in_place",
+]
+
+
+def moments_math(
+    g: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """``g' = factor g`` (rounded to ``g``'s dtype, as the chain's clip is);
+    ``nu' = b2 nu + (1-b2) g'^2``; ``r = g' / (sqrt(nu' inv_bc2) + eps)``;
+    ``mu' = b1 mu + (1-b1) r``. Returns ``(nu', mu')`` in the moments' dtype."""
+    gs = (g.to(nu.dtype) * factor).to(g.dtype).to(nu.dtype)
+    nu_new = beta2 * nu + (1 - beta2) * (gs * gs)
+    r = gs / (torch.sqrt(nu_new * inv_bc2) + eps)
+    mu_new = beta1 * mu + (1 - beta1) * r
+    return nu_new, mu_new
+
+
+def apply_kernel(
+    g: Tensor,
+    p: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> None:
+    """:func:`moments_math` written into ``nu`` and ``mu``, and ``p' = p + step_size mu'`` into
+    ``p``, with ``inv_bc2 = 1/(1-b2^t)`` and ``step_size = -lr_t/(1-b1^t)``. ``factor`` and
+    ``step_size`` broadcast (per row of 2-D views, or per element)."""
+    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
+    nu.copy_(nu_new)
+    mu.copy_(mu_new)
+    p.copy_((p.to(mu.dtype) + mu_new * step_size).to(p.dtype))
+
+
+def update_kernel(
+    g: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Pure: ``(nu', mu', u)`` with ``u = step_size mu'`` in ``g``'s dtype."""
+    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
+    return nu_new, mu_new, (mu_new * step_size).to(g.dtype)
+
+
+def update_kernel_donated(
+    g: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> Tensor:
+    """:func:`update_kernel` with the new moments written into ``nu`` and ``mu``; returns ``u``
+    (the same arithmetic, so the same bits)."""
+    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
+    nu.copy_(nu_new)
+    mu.copy_(mu_new)
+    return (mu_new * step_size).to(g.dtype)
+
+
+def update_kernel_in_place(
+    g: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> None:
+    """:func:`update_kernel_donated` with ``u`` written into ``g`` too (donated updates)."""
+    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
+    nu.copy_(nu_new)
+    mu.copy_(mu_new)
+    g.copy_((mu_new * step_size).to(g.dtype))
+
+
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+_FAILED: set[Callable[..., Any]] = set()
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)``, created once per function
+    and process; ``fn`` itself if compiling it failed before (see :func:`call`)."""
+    if fn in _FAILED:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
+    return _COMPILED[fn]
+
+
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` compiled; if compiling fails (no C++ compiler, an unsupported device...),
+    warn once and run it eagerly from then on."""
+    if fn in _FAILED:
+        return fn(*args)
+    try:
+        return compiled(fn)(*args)
+    except Exception as err:
+        _FAILED.add(fn)
+        warnings.warn(
+            f"functional_opt: torch.compile of {fn.__name__} failed ({err!r}); running it eagerly",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return fn(*args)
