@@ -1,4 +1,5 @@
-"""Donation mode: ``update(..., donate=True)`` gives the same results and reuses state buffers."""
+"""Donation mode: ``update(..., donate=True)`` gives the same results and reuses the buffers of
+the state and the incoming updates; ``apply_updates(..., donate=True)`` adds in place."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import pytest
 import torch
 
 import functional_opt as fo
+from functional_opt.dreamerv3 import KERNEL_MIN
 
 
-def _tree(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, object]:
+def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
+    # ``big``: a leaf large enough for dreamerv3's compiled kernel path
+    rows = KERNEL_MIN // 3 + 1 if big else 4
     return {
-        "w": torch.randn(4, 3, generator=g).to(dtype),
+        "w": torch.randn(rows, 3, generator=g).to(dtype),
         "b": [torch.randn(3, generator=g).to(dtype)],
     }
 
@@ -32,24 +36,52 @@ TRANSFORMS = {
 }
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and bool(
+        torch.equal(a, b)
+        or (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    )
+
+
 def _leaves(tree: object) -> list[torch.Tensor]:
     return [x for x in fo.tree.leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+TRANSFORMS["chain_clip_dreamerv3"] = lambda: fo.chain(
+    fo.clip_by_global_norm(0.5), fo.dreamerv3(1e-2, warmup=0)
+)
+TRANSFORMS["multi_steps_dreamerv3"] = lambda: fo.multi_steps(fo.dreamerv3(1e-2, warmup=0), 2)
+
+
+# dreamerv3 routes large leaves through its compiled kernel: those run small and big.
+CASES = [(name, False) for name in sorted(TRANSFORMS)]
+CASES += [(name, True) for name in sorted(TRANSFORMS) if "dreamerv3" in name]
+
+
+@pytest.mark.parametrize(
+    ("name", "big"), CASES, ids=[f"{n}-{'big' if b else 'small'}" for n, b in CASES]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_donated_updates_are_identical(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("flag", [True, "state"])
+def test_donated_updates_are_identical(
+    name: str, big: bool, dtype: torch.dtype, flag: bool | str
+) -> None:
     tx = TRANSFORMS[name]()
-    params = _tree(0, dtype)
+    params = _tree(0, dtype, big)
     pure_state = tx.init(params)
     donated_state = tx.init(params)
     for step in range(6):
-        grads = _tree(step + 1, dtype)
+        grads = _tree(step + 1, dtype, big)
         if name == "apply_if_finite" and step == 2:
             grads["w"] = grads["w"].clone()
             grads["w"][0, 0] = float("nan")
+        donated = {"w": grads["w"].clone(), "b": [grads["b"][0].clone()]}  # type: ignore[index]
+        kept = [x.clone() for x in _leaves(grads)]
         u1, pure_state = tx.update(grads, pure_state, params)
-        u2, donated_state = tx.update(grads, donated_state, params, donate=True)
+        assert all(_same(a, b) for a, b in zip(kept, _leaves(grads), strict=True))
+        u2, donated_state = tx.update(donated, donated_state, params, donate=flag)
+        if flag == "state":  # the updates were not donated: never written
+            assert all(_same(a, b) for a, b in zip(kept, _leaves(donated), strict=True))
         for a, b in zip(_leaves(u1), _leaves(u2), strict=True):
             assert torch.equal(a, b), name
         for a, b in zip(_leaves(pure_state), _leaves(donated_state), strict=True):
@@ -74,8 +106,62 @@ def test_donation_reuses_moment_buffers(name: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, _leaves(state), strict=True))
 
 
-def test_donate_must_be_a_python_bool() -> None:
+def test_donate_must_be_a_python_bool_or_state() -> None:
     tx = fo.adam(1e-2)
     params = _tree(0)
     with pytest.raises(TypeError, match="donate"):
         tx.update(_tree(1), tx.init(params), params, donate=torch.tensor(True))
+    with pytest.raises(TypeError, match="donate"):
+        tx.update(_tree(1), tx.init(params), params, donate="updates")
+
+
+def test_donated_updates_take_the_new_update_in_place() -> None:
+    tx = fo.dreamerv3(1e-2, warmup=0)
+    params = _tree(0, big=True)
+    state = tx.init(params)
+    grads = _tree(1, big=True)
+    updates, _ = tx.update(grads, state, params, donate=True)
+    assert updates["w"] is grads["w"]  # the large float32 leaf: written into the gradient
+
+
+def test_chain_donates_updates_to_its_first_transform_only() -> None:
+    seen: list[object] = []
+
+    def spy(updates: object, state: object, params: object = None, **extra: object) -> object:
+        seen.append(extra.get("donate"))
+        return updates, state
+
+    probe = fo.GradientTransformation(lambda p: fo.EmptyState(), spy)
+    tx = fo.chain(probe, fo.scale(2.0), probe)
+    params = _tree(0)
+    tx.update(_tree(1), tx.init(params), params, donate=True)
+    tx.update(_tree(1), tx.init(params), params, donate="state")
+    tx.update(_tree(1), tx.init(params), params)
+    assert seen == [True, "state", "state", "state", None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_apply_updates_donated_is_identical_and_in_place(dtype: torch.dtype) -> None:
+    params = _tree(0, dtype)
+    updates = _tree(1, dtype)
+    want = fo.apply_updates(params, updates)
+    buffers = [x.data_ptr() for x in _leaves(params)]
+    got = fo.apply_updates(params, updates, donate=True)
+    assert [x.data_ptr() for x in _leaves(got)] == buffers
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(want), _leaves(got), strict=True))
+
+
+def test_apply_updates_donated_stays_pure_where_in_place_is_unsafe() -> None:
+    # autograd-tracked params, a param twice in the tree, a narrower param than its update
+    tracked = {"w": torch.ones(3, requires_grad=True)}
+    out = fo.apply_updates(tracked, {"w": torch.ones(3)}, donate=True)
+    assert out["w"] is not tracked["w"] and torch.equal(tracked["w"].detach(), torch.ones(3))
+    shared = torch.ones(2)
+    out = fo.apply_updates([shared, shared], [torch.ones(2), torch.ones(2)], donate=True)
+    assert torch.equal(shared, torch.ones(2)) and torch.equal(out[0], torch.full((2,), 2.0))
+    narrow = {"w": torch.ones(2, dtype=torch.bfloat16)}
+    out = fo.apply_updates(narrow, {"w": torch.full((2,), 1e-3)}, donate=True)
+    assert torch.equal(narrow["w"], torch.ones(2, dtype=torch.bfloat16))
+    assert out["w"].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="donate"):
+        fo.apply_updates(narrow, narrow, donate="yes")  # type: ignore[arg-type]
