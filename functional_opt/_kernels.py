@@ -23,6 +23,7 @@ __all__ = [
     "call",
     "compiled",
     "moments_math",
+    "norm_pair",
     "update_kernel",
     "update_kernel_donated",
     "update_kernel_in_place",
@@ -121,6 +122,13 @@ def update_kernel_in_place(
     nu.copy_(nu_new)
     mu.copy_(mu_new)
     g.copy_((mu_new * step_size).to(g.dtype))
+
+
+def norm_pair(g: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[||g||, ||p||]`` accumulated in ``dtype`` (a cascade sum, without widened copies of
+    16-bit inputs, and more accurate than ``torch.linalg.vector_norm``)."""
+    g32, p32 = g.to(dtype), p.to(dtype)
+    return torch.sqrt(torch.stack([(g32 * g32).sum(), (p32 * p32).sum()]))
 
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}

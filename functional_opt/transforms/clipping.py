@@ -89,11 +89,18 @@ def agc_factors(
     (1 where ``clip == 0``)."""
     unorm = _lists.stack(_lists.norms(g))
     pnorm = _lists.stack(_lists.norms(p))
+    return list(agc_factors_from_norms(unorm, pnorm, clip, pmin).unbind())
+
+
+def agc_factors_from_norms(
+    unorm: Tensor, pnorm: Tensor, clip: float | Tensor, pmin: float | Tensor
+) -> Tensor:
+    """:func:`agc_factors` from stacked update and param norms."""
     upper = clip * torch.clamp(pnorm, min=pmin)
     factor = 1.0 / torch.clamp(unorm / upper, min=1.0)
     if isinstance(clip, Tensor):
         factor = torch.where(clip > 0, factor, torch.ones_like(factor))
-    return list(factor.unbind())
+    return factor
 
 
 def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> GradientTransformation:
