@@ -13,7 +13,8 @@ is:
    compiled once with ``torch.compile`` (``dynamic=True``: one kernel serves every shape),
    reading ``g, p, nu, mu`` and writing ``nu, mu, p`` with the run's clip factors and step sizes
    broadcast per row. Runs too small to be worth a call of their own (fewer than ``MERGE``
-   elements in all) share one call, with the clip factor spread per element.
+   elements in all) share one eager run of the same function, with the clip factor spread per
+   element.
 
 So 2000 tensors of one size cost what one large tensor costs, and a model with a handful of
 distinct shapes makes a handful of kernel calls. Gradients and params are never modified outside
@@ -56,10 +57,6 @@ def _single_kernel(*args: Tensor) -> None:
     apply_kernel(*args)  # one tensor: ``[1, n]`` with ``[1, 1]`` factor and step
 
 
-def _spread_kernel(*args: Tensor) -> None:
-    apply_kernel(*args)  # the merged region: a factor per element
-
-
 def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The L2 norm of each row of ``x`` in ``dtype`` (a cascade sum: more accurate than
     ``vector_norm``, and without a widened copy of 16-bit inputs)."""
@@ -74,7 +71,6 @@ def _row_norms_single(x: Tensor, dtype: torch.dtype) -> Tensor:
 _FORMS: dict[str, Callable[..., Any]] = {
     "rows": _rows_kernel,
     "single": _single_kernel,
-    "spread": _spread_kernel,
     "norms": _row_norms,
     "norms_single": _row_norms_single,
 }
@@ -226,15 +222,16 @@ class FlatBucket:
         """The L2 norm of every tensor of the bucket (in the moment dtype), one call per run.
 
         Long float32/float64 rows use BLAS dot products (one stream at full read bandwidth);
-        small runs one eager ``vector_norm``; the others a compiled cascade sum (no widened
-        copy of 16-bit rows; like the dot products, more accurate than ``vector_norm``)."""
+        other float32/64 runs and small runs one eager ``vector_norm``; long 16-bit runs a
+        compiled cascade sum (no widened copy; like the dot products, more accurate than
+        ``vector_norm``)."""
         mdtype = self.nu.dtype
         parts = []
         for run in self.runs:
             rows = self._rows(flat, run)
             if flat.dtype == mdtype and run.size >= DOT_ROWS and run.rows <= DOT_MAX_COUNT:
                 parts.append(torch.stack([torch.dot(r, r) for r in rows]).sqrt_())
-            elif run.rows * run.size < MERGE:  # small: an eager op costs less than a call
+            elif flat.dtype == mdtype or run.rows * run.size < MERGE:
                 parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=mdtype))
             else:
                 form = "norms" if run.rows > 1 else "norms_single"
@@ -307,9 +304,13 @@ class FlatBucket:
             spread = torch.repeat_interleave(
                 factor[: self.merged_tensors, 0], self.merged_sizes, output_size=n
             )
-            self._call(
-                "spread",
-                *(t[:n].view(1, n) for t in self.flats),
+            # Small by construction: eager ops cost less than compiling one more kernel form.
+            g, p, nu, mu = (t[:n].view(1, n) for t in self.flats)
+            apply_kernel(
+                g,
+                p,
+                nu,
+                mu,
                 spread.view(1, n),
                 self.step_rows[:1],
                 *scalars,

@@ -6,11 +6,13 @@ into per-tensor scalars, so there is one division per element and no temporaries
 ``dreamerv3``'s eager update for large leaves and by ``DreamerV3Optimizer``'s flat buffers.
 
 Every kernel is compiled with ``dynamic=True`` (one compilation serves every size) the first
-time it runs, and falls back to running eagerly, with a warning, if compilation fails.
+time it runs with a given signature, and falls back to running eagerly, with a warning, if
+compilation fails.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -131,27 +133,40 @@ def norm_pair(g: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sqrt(torch.stack([(g32 * g32).sum(), (p32 * p32).sum()]))
 
 
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+_Key = tuple[Any, ...]
+_COMPILED: dict[_Key, Callable[..., Any]] = {}
 _FAILED: set[Callable[..., Any]] = set()
 
 
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)``, created once per function
-    and process; ``fn`` itself if compiling it failed before (see :func:`call`)."""
-    if fn in _FAILED:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
-    return _COMPILED[fn]
+def _signature(fn: Callable[..., Any], args: tuple[Any, ...]) -> _Key:
+    parts = [(a.dtype, a.device.type, a.dim()) if isinstance(a, Tensor) else a for a in args]
+    return (fn, *parts)
+
+
+def compiled(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)`` for arguments like ``args``.
+
+    Each signature (the dtypes, devices and ranks of the tensors, the other arguments) gets a
+    copy of ``fn`` with a code object of its own, so that its compilations never share
+    ``torch._dynamo``'s per-function recompile limit with other signatures: past that limit
+    dynamo would silently run the function eagerly, with other rounding."""
+    key = _signature(fn, args)
+    out = _COMPILED.get(key)
+    if out is None:
+        copy = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        out = _COMPILED[key] = torch.compile(copy, fullgraph=True, dynamic=True)
+    return out
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` compiled; if compiling fails (no C++ compiler, an unsupported device...),
-    warn once and run it eagerly from then on."""
+    """Run ``fn`` compiled (see :func:`compiled`); if compiling fails (no C++ compiler, an
+    unsupported device...), warn once and run it eagerly from then on."""
     if fn in _FAILED:
         return fn(*args)
     try:
-        return compiled(fn)(*args)
+        return compiled(fn, *args)(*args)
     except Exception as err:
         _FAILED.add(fn)
         warnings.warn(

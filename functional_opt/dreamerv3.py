@@ -251,10 +251,12 @@ def _fused_update(
         step = lr_step / (1 - torch.as_tensor(h.beta1, dtype=torch.float64) ** ema_count.double())
         scalars = [torch.as_tensor(x, dtype=torch.float64) for x in (h.beta1, h.beta2, h.eps)]
         one = torch.ones((), dtype=torch.float32)
+        # The update goes into a donated gradient's buffer unless a gradient appears twice.
+        in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
         for i in big:
             factor = one if factors is None else factors[i]
             args = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1), factor, step, inv_bc2)
-            if donate and donate_updates and _writable(g[i]):
+            if in_place and _writable(g[i]):
                 _kernels.call(_kernels.update_kernel_in_place, *args, *scalars)
                 nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
                 continue

@@ -122,3 +122,23 @@ def test_kernel_falls_back_to_eager_when_compiling_fails(monkeypatch: pytest.Mon
     want, _ = chain.update(grads, chain.init(params), params)
     for name in params:
         torch.testing.assert_close(u[name], want[name], rtol=2e-6, atol=1e-9)
+
+
+def test_many_signatures_never_fall_back_to_eager_kernels() -> None:
+    # torch._dynamo allows 8 compilations per function before it silently runs the function
+    # eagerly (other rounding): every signature must get a compiled kernel of its own, or pure
+    # and donated updates would stop agreeing bit for bit.
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for options in ({}, {"agc": 0.0}, {"agc": torch.tensor(0.2)}):
+            tx = fo.dreamerv3(lr=1e-3, warmup=0, **options)  # type: ignore[arg-type]
+            params = _big(gen, dtype)
+            grads = _big(gen, dtype)
+            outs = []
+            for flag in (None, True):
+                g = {name: x.clone() for name, x in grads.items()}
+                u, s = tx.update(
+                    g, tx.init(params), params, **({} if flag is None else {"donate": flag})
+                )
+                outs.append([x for x in fo.tree.leaves((u, s)) if isinstance(x, torch.Tensor)])
+            assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), (dtype, options)
