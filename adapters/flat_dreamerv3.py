@@ -160,6 +160,7 @@ class FlatBucket:
             first_index += count
             offset += count * n
         self.merged_runs = len(merged)
+
         self.merged_numel = sum(n * len(by_size[n]) for n in merged)
         self.merged_tensors = sum(len(by_size[n]) for n in merged)
         device = self.p.device
@@ -218,25 +219,30 @@ class FlatBucket:
     def _rows(self, flat: Tensor, run: Run) -> Tensor:
         return flat[run.offset : run.offset + run.rows * run.size].view(run.rows, run.size)
 
-    def _norms(self, flat: Tensor) -> Tensor:
-        """The L2 norm of every tensor of the bucket (in the moment dtype), one call per run.
+    def _run_norms(self, flat: Tensor, run: Run) -> Tensor:
+        """The L2 norm of each tensor of ``run`` (in the moment dtype).
 
         Long float32/float64 rows use BLAS dot products (one stream at full read bandwidth);
         other float32/64 runs and small runs one eager ``vector_norm``; long 16-bit runs a
         compiled cascade sum (no widened copy; like the dot products, more accurate than
         ``vector_norm``)."""
         mdtype = self.nu.dtype
-        parts = []
-        for run in self.runs:
-            rows = self._rows(flat, run)
-            if flat.dtype == mdtype and run.size >= DOT_ROWS and run.rows <= DOT_MAX_COUNT:
-                parts.append(torch.stack([torch.dot(r, r) for r in rows]).sqrt_())
-            elif flat.dtype == mdtype or run.rows * run.size < MERGE:
-                parts.append(torch.linalg.vector_norm(rows, dim=1, dtype=mdtype))
-            else:
-                form = "norms" if run.rows > 1 else "norms_single"
-                parts.append(self._call(form, rows, mdtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = self._rows(flat, run)
+        if flat.dtype == mdtype and run.size >= DOT_ROWS and run.rows <= DOT_MAX_COUNT:
+            return torch.stack([torch.dot(r, r) for r in rows]).sqrt_()
+        out: Tensor
+        if flat.dtype == mdtype or run.rows * run.size < MERGE:
+            out = torch.linalg.vector_norm(rows, dim=1, dtype=mdtype)
+        else:
+            out = self._call("norms" if run.rows > 1 else "norms_single", rows, mdtype)
+        return out
+
+    def _factors(self, run: Run, agc: float, pmin: float) -> Tensor:
+        """Each tensor's clip factor ``1 / max(1, ||g|| / (agc max(pmin, ||p||)))``."""
+        if agc <= 0:
+            return torch.ones(run.rows, dtype=self.nu.dtype, device=self.p.device)
+        upper = agc * torch.clamp(self._run_norms(self.p, run), min=pmin)
+        return 1.0 / torch.clamp(self._run_norms(self.g, run) / upper, min=1.0)
 
     def gather_grads(self) -> list[int] | None:
         """The bucket indices of the params with a gradient, after copying gradients that are
@@ -283,12 +289,6 @@ class FlatBucket:
         )
         for i in absent:
             self.g_views[i].zero_()
-        if agc > 0:
-            upper = agc * torch.clamp(self._norms(self.p), min=pmin)
-            factor = 1.0 / torch.clamp(self._norms(self.g) / upper, min=1.0)
-        else:
-            factor = torch.ones(len(params), dtype=self.nu.dtype, device=self.p.device)
-        factor = factor.view(-1, 1)
         # Params without a gradient keep value and state: the kernel runs over the whole
         # bucket (their gradient is zero), then what it changed of theirs is put back.
         saved = [
@@ -301,27 +301,21 @@ class FlatBucket:
         scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
         if self.merged_numel:
             n = self.merged_numel
-            spread = torch.repeat_interleave(
-                factor[: self.merged_tensors, 0], self.merged_sizes, output_size=n
-            )
+            merged = self.runs[: self.merged_runs]
+            factors = [self._factors(run, agc, pmin) for run in merged]
+            factor = factors[0] if len(factors) == 1 else torch.cat(factors)
+            spread = torch.repeat_interleave(factor, self.merged_sizes, output_size=n)
             # Small by construction: eager ops cost less than compiling one more kernel form.
             g, p, nu, mu = (t[:n].view(1, n) for t in self.flats)
-            apply_kernel(
-                g,
-                p,
-                nu,
-                mu,
-                spread.view(1, n),
-                self.step_rows[:1],
-                *scalars,
-            )
+            apply_kernel(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
+        # Run by run. (Updating in chunks right after their norms, so that the kernel would find
+        # g and p in cache, measured slower on W1: the calls cost more than the cache saves.)
         for run in self.runs[self.merged_runs :]:
-            rows = slice(run.first, run.first + run.rows)
             self._call(
                 "rows" if run.rows > 1 else "single",
                 *(self._rows(t, run) for t in self.flats),
-                factor[rows],
-                self.step_rows[rows],
+                self._factors(run, agc, pmin).view(-1, 1),
+                self.step_rows[run.first : run.first + run.rows],
                 *scalars,
             )
         for i, p, nu, mu in saved:
