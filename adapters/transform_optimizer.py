@@ -514,9 +514,10 @@ class TransformOptimizer(torch.optim.Optimizer):
             else:
                 outer.append(None)
         state = optree.tree_unflatten(layout.spec, outer)
-        # The optimizer owns the state: donation lets moments update in their own buffers.
+        # The optimizer owns the state, so it is donated (moments update in their own buffers);
+        # the gradients are the user's, so they are not ("state": never written).
         updates, new_state = layout.tx.update(
-            ParamSlots(grads), state, ParamSlots(params), donate=True
+            ParamSlots(grads), state, ParamSlots(params), donate="state"
         )
 
         new_outer, spec = _flatten_outer(new_state)
