@@ -579,14 +579,18 @@ def test_option_aliases_masks_and_static_changes() -> None:
     assert max_diff(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("kind", ["flat", "generic", "plain transform"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_never_writes_the_gradients(flat: bool, dtype: torch.dtype) -> None:
-    # Large enough for the compiled kernels of both paths, which may overwrite donated updates.
+def test_step_never_writes_the_gradients(kind: str, dtype: torch.dtype) -> None:
+    # Large enough for the compiled kernels, which may overwrite donated updates.
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(300, 300, generator=gen).to(dtype)) for _ in range(2)]
-    opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=0)
-    opt.flat_step = flat
+    opt: torch.optim.Optimizer
+    if kind == "plain transform":  # no injected hyperparameters: dreamerv3's kernel path
+        opt = TransformOptimizer(params, fo.dreamerv3(1e-2, warmup=0))
+    else:
+        opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=0)
+        opt.flat_step = kind == "flat"
     for _ in range(2):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
