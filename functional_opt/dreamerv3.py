@@ -173,6 +173,10 @@ KERNEL_MIN = 1 << 14
 """Leaves with at least this many elements take the compiled single-pass kernel in eager mode
 (when its options allow: momentum without Nesterov, no weight decay)."""
 
+RUN_MIN = 4
+"""Smaller leaves of one shape and dtype, at least this many, are stacked and take the kernel
+together (their state then lives in one buffer, updated in place when donated)."""
+
 
 def _fused_update(
     h: _Hyper,
@@ -185,7 +189,8 @@ def _fused_update(
     """The chain's update in fewer passes and allocations, for multi-tensor-ready lists in eager
     mode (``None``: not applicable, run the chain).
 
-    Large leaves (``KERNEL_MIN``) go through one compiled single-pass kernel each
+    Large leaves (``KERNEL_MIN``) go through one compiled single-pass kernel each, and runs of
+    at least ``RUN_MIN`` smaller leaves of one shape through one call per run
     (:mod:`functional_opt._kernels`; equal to the chain to float rounding). The others run the
     same ops in the same order as the chain, with temporaries reused in place, so their result
     equals the chain's (bit for bit for float32 and float64). Which leaves take which path
@@ -212,8 +217,9 @@ def _fused_update(
         ema_state: EmaState = state[2]
         mu_old = at.take(ema_state.ema, "state.ema")
         ema_count = safe_increment(ema_state.count)
-    big = _kernel_leaves(h, g, nu_old, mu_old)
-    small = [i for i in range(len(g)) if i not in big] if big else list(range(len(g)))
+    big, runs = _kernel_routes(h, g, nu_old, mu_old)
+    routed = big.union(*runs)
+    small = [i for i in range(len(g)) if i not in routed] if routed else list(range(len(g)))
     factors: list[Tensor] | None = None
     if not (isinstance(h.agc, (int, float)) and h.agc == 0):
         factors = [g[0]] * len(g)
@@ -246,7 +252,7 @@ def _fused_update(
         for out, values in zip((u, nu, mu), parts, strict=True):
             for i, v in zip(small, values, strict=bool(values)):  # no mu without momentum
                 out[i] = v
-    if big:
+    if big or runs:
         inv_bc2 = 1 / (1 - torch.as_tensor(h.beta2, dtype=torch.float64) ** count.double())
         step = lr_step / (1 - torch.as_tensor(h.beta1, dtype=torch.float64) ** ema_count.double())
         scalars = [torch.as_tensor(x, dtype=torch.float64) for x in (h.beta1, h.beta2, h.eps)]
@@ -267,10 +273,70 @@ def _fused_update(
                 flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args, *scalars)
                 nu[i], mu[i] = flat_nu.view_as(nu_old[i]), flat_mu.view_as(mu_old[i])
             u[i] = flat_u.view_as(g[i])
+        for idx in runs:
+            _run_update(h, idx, g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars)
     new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, nu))
     if h.momentum:
         new_state[2] = EmaState(ema_count, at.carry(state[2].ema, mu))
     return at.updates(u), tuple(new_state)
+
+
+def _run_update(
+    h: _Hyper,
+    idx: list[int],
+    g: list[Tensor],
+    p: list[Tensor],
+    nu_old: list[Tensor],
+    mu_old: list[Tensor],
+    out: tuple[list[Tensor], list[Tensor], list[Tensor]],
+    donate: bool,
+    step: Tensor,
+    inv_bc2: Tensor,
+    scalars: list[Tensor],
+) -> None:
+    """One kernel call for the leaves ``idx`` (one shape and dtype), stacked into rows.
+
+    The gradients are always stacked into a buffer of our own, which takes the update; the
+    moments are used in place when they already are the rows of one buffer and are donated,
+    and stacked into a new buffer otherwise, so both cases run the same kernel on the same
+    values (the same bits)."""
+    rows, shape = len(idx), g[idx[0]].shape
+    grads = _stack_rows([g[i] for i in idx])
+    moments = []
+    in_place = []
+    for old in (nu_old, mu_old):
+        leaves = [old[i] for i in idx]
+        base = _stacked_rows(leaves) if donate else None
+        in_place.append(base is not None)
+        moments.append(base if base is not None else _stack_rows(leaves))
+    nu, mu = moments
+    if isinstance(h.agc, (int, float)) and h.agc == 0:
+        factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
+    else:
+        unorm = torch.linalg.vector_norm(grads, dim=1, dtype=nu.dtype)
+        pnorm = torch.linalg.vector_norm(_stack_rows([p[i] for i in idx]), dim=1, dtype=nu.dtype)
+        factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
+    # per row, like the factor: a 0-d step would split the kernel's loops in two
+    step_rows = step.to(nu.dtype).expand(rows, 1).contiguous()
+    args = (grads, nu, mu, factor, step_rows, inv_bc2, *scalars)
+    _kernels.call(_kernels.update_kernel_in_place, *args)
+    olds: tuple[list[Tensor], ...] = ([], nu_old, mu_old)
+    for target, buffer, old, kept in zip(
+        out, (grads, nu, mu), olds, (False, *in_place), strict=True
+    ):
+        if kept:  # the old leaves are views of the buffer just updated
+            for i in idx:
+                target[i] = old[i]
+            continue
+        for i, leaf in zip(idx, buffer.view(rows, *shape).unbind(0), strict=True):
+            target[i] = leaf
+
+
+def _stack_rows(xs: list[Tensor]) -> Tensor:
+    """The tensors (one shape, contiguous) copied into the rows of a new ``[len(xs), n]``
+    buffer."""
+    joined = torch.cat(xs) if xs[0].dim() > 0 else torch.stack(xs)
+    return joined.view(len(xs), -1)
 
 
 def _leaf_norms(g: list[Tensor], p: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -302,24 +368,54 @@ def _writable(x: Tensor) -> bool:
     return x.element_size() >= 4 and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-def _kernel_leaves(h: _Hyper, g: list[Tensor], nu: list[Tensor], mu: list[Tensor]) -> set[int]:
-    """Indices of the leaves that take the compiled kernel: large, contiguous, moments in the
-    kernel's layout, and options the kernel implements."""
-    if not h.momentum or h.nesterov:
-        return set()
-    if not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0):
-        return set()
-    return {
-        i
-        for i, x in enumerate(g)
-        if x.numel() >= KERNEL_MIN
-        and type(x) is Tensor
-        and x.is_contiguous()
-        and nu[i].is_contiguous()
-        and mu[i].is_contiguous()
-        and nu[i].dtype == mu[i].dtype
-        and nu[i].dtype == torch.promote_types(nu[i].dtype, x.dtype)
-    }
+def _kernel_options(h: _Hyper) -> bool:
+    """Whether the compiled kernels implement these options."""
+    return (
+        h.momentum
+        and not h.nesterov
+        and isinstance(h.weight_decay, (int, float))
+        and h.weight_decay == 0
+    )
+
+
+def _kernel_routes(
+    h: _Hyper, g: list[Tensor], nu: list[Tensor], mu: list[Tensor]
+) -> tuple[set[int], list[list[int]]]:
+    """The leaves that take the kernels: each large one alone, and the small ones in runs of at
+    least ``RUN_MIN`` leaves of one shape and dtype (stacked, one kernel call per run). A leaf
+    qualifies when it and its moments are plain contiguous tensors, the moments in one dtype at
+    least as wide as the update's."""
+    if not _kernel_options(h):
+        return set(), []
+    big: set[int] = set()
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (x, n, m) in enumerate(zip(g, nu, mu, strict=True)):
+        if type(x) is not Tensor or not (x.is_contiguous() and n.is_contiguous()):
+            continue
+        dtype = n.dtype
+        if not m.is_contiguous() or m.dtype != dtype or n.device != x.device:
+            continue
+        if x.dtype != dtype and torch.promote_types(dtype, x.dtype) != dtype:
+            continue
+        size = x.numel()
+        if size >= KERNEL_MIN:
+            big.add(i)
+        elif size > 0:
+            groups.setdefault((x.shape, x.dtype, dtype, x.device), []).append(i)
+    return big, [idx for idx in groups.values() if len(idx) >= RUN_MIN]
+
+
+def _stacked_rows(xs: list[Tensor]) -> Tensor | None:
+    """``[len(xs), n]`` view of the buffer ``xs`` are the consecutive rows of (as the state
+    leaves this update returns for a run are), or ``None``."""
+    base = xs[0]._base
+    if base is None or not base.is_contiguous() or base.numel() != len(xs) * xs[0].numel():
+        return None
+    start, row = base.data_ptr(), xs[0].numel() * xs[0].element_size()
+    for k, x in enumerate(xs):
+        if x._base is not base or x.data_ptr() != start + k * row or not x.is_contiguous():
+            return None
+    return base.view(len(xs), -1)
 
 
 def _foreach_update(

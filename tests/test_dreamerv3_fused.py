@@ -142,3 +142,53 @@ def test_many_signatures_never_fall_back_to_eager_kernels() -> None:
                 )
                 outs.append([x for x in fo.tree.leaves((u, s)) if isinstance(x, torch.Tensor)])
             assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), (dtype, options)
+
+
+def _many(gen: torch.Generator, dtype: torch.dtype, drop: bool = False) -> dict[str, object]:
+    # runs of small leaves (stacked into one kernel call each) plus a loner of its own shape
+    return {
+        "mats": [(torch.randn(7, 5, generator=gen) * 0.3).to(dtype) for _ in range(6)],
+        "vecs": [
+            None if drop and k == 2 else torch.randn(3, generator=gen).to(dtype) for k in range(5)
+        ],
+        "odd": torch.randn(2, 2, generator=gen).to(dtype),
+    }
+
+
+@pytest.mark.parametrize("options", KERNEL_OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_stacked_runs_match_chain_and_donation(
+    options: dict[str, object], dtype: torch.dtype
+) -> None:
+    kwargs = {"lr": 1e-2, "warmup": 1, **options}
+    fused = fo.dreamerv3(**kwargs)  # type: ignore[arg-type]
+    chain = fo.dreamerv3(**kwargs, _fused=False)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(4)
+    params = _many(gen, dtype)
+    states = [fused.init(params), fused.init(params), fused.init(params), chain.init(params)]
+    kept = [x.clone() for x in fo.tree.leaves(states[0]) if isinstance(x, torch.Tensor)]
+    tol = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 1e-2}[dtype]
+    for step in range(6):
+        grads = _many(gen, dtype, drop=step % 3 == 2)
+        outs = []
+        for k, flag in enumerate((None, "state", True)):
+            g = fo.tree.map_params(lambda x: x.clone(), grads)
+            extra = {} if flag is None else {"donate": flag}
+            first = states[k]
+            u, states[k] = fused.update(g, states[k], params, **extra)
+            outs.append((u, states[k]))
+            if step == 0 and flag is None:  # the pure update never writes its inputs
+                got = [x for x in fo.tree.leaves(first) if isinstance(x, torch.Tensor)]
+                assert all(torch.equal(a, b) for a, b in zip(kept, got, strict=True))
+        u_chain, states[3] = chain.update(grads, states[3], params)
+        pure = [x for x in fo.tree.leaves(outs[0]) if isinstance(x, torch.Tensor)]
+        for other in outs[1:]:
+            got = [x for x in fo.tree.leaves(other) if isinstance(x, torch.Tensor)]
+            assert all(torch.equal(a, b) for a, b in zip(pure, got, strict=True))
+        want = [x for x in fo.tree.leaves((u_chain, states[3])) if isinstance(x, torch.Tensor)]
+        for a, b in zip(pure, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            scale = float(b.abs().max()) if b.numel() and b.is_floating_point() else 0.0
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
+        assert (u_chain["vecs"][2] is None) == (step % 3 == 2)  # type: ignore[index]
+        params = fo.apply_updates(params, u_chain)
