@@ -73,6 +73,15 @@ def apply_kernel(
     p.copy_((p.to(mu.dtype) + mu_new * step_size).to(p.dtype))
 
 
+def _update(
+    g: Tensor, mu: Tensor, step_size: Tensor, p: Tensor | None, decay: Tensor | None
+) -> Tensor:
+    u = mu * step_size
+    if p is not None and decay is not None:
+        u = u + decay * p.to(mu.dtype)
+    return u.to(g.dtype)
+
+
 def update_kernel(
     g: Tensor,
     nu: Tensor,
@@ -83,10 +92,13 @@ def update_kernel(
     beta1: Tensor,
     beta2: Tensor,
     eps: Tensor,
+    p: Tensor | None = None,
+    decay: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Pure: ``(nu', mu', u)`` with ``u = step_size mu'`` in ``g``'s dtype."""
+    """Pure: ``(nu', mu', u)`` with ``u = step_size mu' (+ decay p)`` in ``g``'s dtype (``decay``
+    is ``-lr_t`` times the weight decay; without ``p`` there is none)."""
     nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
-    return nu_new, mu_new, (mu_new * step_size).to(g.dtype)
+    return nu_new, mu_new, _update(g, mu_new, step_size, p, decay)
 
 
 def update_kernel_donated(
@@ -99,13 +111,15 @@ def update_kernel_donated(
     beta1: Tensor,
     beta2: Tensor,
     eps: Tensor,
+    p: Tensor | None = None,
+    decay: Tensor | None = None,
 ) -> Tensor:
     """:func:`update_kernel` with the new moments written into ``nu`` and ``mu``; returns ``u``
     (the same arithmetic, so the same bits)."""
     nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
     nu.copy_(nu_new)
     mu.copy_(mu_new)
-    return (mu_new * step_size).to(g.dtype)
+    return _update(g, mu_new, step_size, p, decay)
 
 
 def update_kernel_in_place(
@@ -118,12 +132,14 @@ def update_kernel_in_place(
     beta1: Tensor,
     beta2: Tensor,
     eps: Tensor,
+    p: Tensor | None = None,
+    decay: Tensor | None = None,
 ) -> None:
     """:func:`update_kernel_donated` with ``u`` written into ``g`` too (donated updates)."""
     nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
     nu.copy_(nu_new)
     mu.copy_(mu_new)
-    g.copy_((mu_new * step_size).to(g.dtype))
+    g.copy_(_update(g, mu_new, step_size, p, decay))
 
 
 def norm_pair(g: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:

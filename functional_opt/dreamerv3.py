@@ -171,7 +171,7 @@ class _Hyper(NamedTuple):
 
 KERNEL_MIN = 1 << 14
 """Leaves with at least this many elements take the compiled single-pass kernel in eager mode
-(when its options allow: momentum without Nesterov, no weight decay)."""
+(when its options allow: momentum without Nesterov)."""
 
 RUN_MIN = 4
 """Smaller leaves of one shape and dtype, at least this many, are stacked and take the kernel
@@ -259,22 +259,30 @@ def _fused_update(
         one = torch.ones((), dtype=torch.float32)
         # The update goes into a donated gradient's buffer unless a gradient appears twice.
         in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
+        decay = None
+        if _decays(h):  # u gets -lr_t wd p: the kernels then read the params too
+            decay = lr_step * torch.as_tensor(h.weight_decay, dtype=torch.float64)
         for i in big:
             factor = one if factors is None else factors[i]
-            args = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1), factor, step, inv_bc2)
+            views = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1))
+            args: tuple[Tensor, ...] = (*views, factor, step, inv_bc2, *scalars)
+            if decay is not None:
+                args = (*args, p[i].reshape(-1), decay)
             if in_place and _writable(g[i]):
-                _kernels.call(_kernels.update_kernel_in_place, *args, *scalars)
+                _kernels.call(_kernels.update_kernel_in_place, *args)
                 nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
                 continue
             if donate:
-                flat_u = _kernels.call(_kernels.update_kernel_donated, *args, *scalars)
+                flat_u = _kernels.call(_kernels.update_kernel_donated, *args)
                 nu[i], mu[i] = nu_old[i], mu_old[i]
             else:
-                flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args, *scalars)
+                flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args)
                 nu[i], mu[i] = flat_nu.view_as(nu_old[i]), flat_mu.view_as(mu_old[i])
             u[i] = flat_u.view_as(g[i])
         for idx in runs:
-            _run_update(h, idx, g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars)
+            _run_update(
+                h, idx, g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay
+            )
     new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, nu))
     if h.momentum:
         new_state[2] = EmaState(ema_count, at.carry(state[2].ema, mu))
@@ -293,6 +301,7 @@ def _run_update(
     step: Tensor,
     inv_bc2: Tensor,
     scalars: list[Tensor],
+    decay: Tensor | None,
 ) -> None:
     """One kernel call for the leaves ``idx`` (one shape and dtype), stacked into rows.
 
@@ -310,15 +319,19 @@ def _run_update(
         in_place.append(base is not None)
         moments.append(base if base is not None else _stack_rows(leaves))
     nu, mu = moments
-    if isinstance(h.agc, (int, float)) and h.agc == 0:
+    agc_off = isinstance(h.agc, (int, float)) and h.agc == 0
+    params = None if agc_off and decay is None else _stack_rows([p[i] for i in idx])
+    if agc_off or params is None:
         factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
     else:
         unorm = torch.linalg.vector_norm(grads, dim=1, dtype=nu.dtype)
-        pnorm = torch.linalg.vector_norm(_stack_rows([p[i] for i in idx]), dim=1, dtype=nu.dtype)
+        pnorm = torch.linalg.vector_norm(params, dim=1, dtype=nu.dtype)
         factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
     # per row, like the factor: a 0-d step would split the kernel's loops in two
     step_rows = step.to(nu.dtype).expand(rows, 1).contiguous()
-    args = (grads, nu, mu, factor, step_rows, inv_bc2, *scalars)
+    args: tuple[Tensor, ...] = (grads, nu, mu, factor, step_rows, inv_bc2, *scalars)
+    if decay is not None and params is not None:
+        args = (*args, params, decay.to(nu.dtype).expand(rows, 1).contiguous())
     _kernels.call(_kernels.update_kernel_in_place, *args)
     olds: tuple[list[Tensor], ...] = ([], nu_old, mu_old)
     for target, buffer, old, kept in zip(
@@ -370,12 +383,12 @@ def _writable(x: Tensor) -> bool:
 
 def _kernel_options(h: _Hyper) -> bool:
     """Whether the compiled kernels implement these options."""
-    return (
-        h.momentum
-        and not h.nesterov
-        and isinstance(h.weight_decay, (int, float))
-        and h.weight_decay == 0
-    )
+    return h.momentum and not h.nesterov
+
+
+def _decays(h: _Hyper) -> bool:
+    """Whether the update has a weight-decay term (a tensor weight decay may be nonzero)."""
+    return not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0)
 
 
 def _kernel_routes(

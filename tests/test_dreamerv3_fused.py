@@ -60,7 +60,14 @@ def test_fused_equals_chain(options: dict[str, object], dtype: torch.dtype, dona
 
 # Large leaves take the compiled single-pass kernel: equal to the chain to float rounding, and
 # the same bits whether or not state and updates are donated.
-KERNEL_OPTIONS = [{}, {"agc": 0.0}, {"agc": 0.05, "pmin": 0.5}, {"schedule": "cosine", "anneal": 9}]
+KERNEL_OPTIONS = [
+    {},
+    {"agc": 0.0},
+    {"agc": 0.05, "pmin": 0.5},
+    {"schedule": "cosine", "anneal": 9},
+    {"weight_decay": 0.1},
+    {"weight_decay": torch.tensor(0.05), "agc": 0.0},
+]
 
 
 def _big(gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
