@@ -3,6 +3,8 @@ small leaves; to float rounding for the large leaves of the compiled kernel)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -70,7 +72,50 @@ KERNEL_OPTIONS = [
 ]
 
 
-def _big(gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [x for x in fo.tree.leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _check_kernel_paths(
+    options: dict[str, object],
+    dtype: torch.dtype,
+    make: Callable[[torch.Generator, torch.dtype, int], dict[str, object]],
+) -> None:
+    """Six updates of ``make``'s trees: pure, ``donate="state"`` and ``donate=True`` give the
+    same bits, the pure update never writes its inputs, and all equal the chain to float
+    rounding."""
+    kwargs = {"lr": 1e-2, "warmup": 1, **options}
+    fused = fo.dreamerv3(**kwargs)  # type: ignore[arg-type]
+    chain = fo.dreamerv3(**kwargs, _fused=False)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(4)
+    params = make(gen, dtype, 0)
+    states = [fused.init(params), fused.init(params), fused.init(params), chain.init(params)]
+    tol = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 1e-2}[dtype]
+    for step in range(6):
+        grads = make(gen, dtype, step)
+        outs = []
+        for k, flag in enumerate((None, "state", True)):
+            g = fo.tree.map_params(lambda x: x.clone(), grads)
+            extra = {} if flag is None else {"donate": flag}
+            kept = [x.clone() for x in _tensors((g, states[k]))]
+            inputs = _tensors((g, states[k]))
+            u, states[k] = fused.update(g, states[k], params, **extra)
+            outs.append(_tensors((u, states[k])))
+            if flag is None:
+                assert all(torch.equal(a, b) for a, b in zip(kept, inputs, strict=True))
+        u_chain, states[3] = chain.update(grads, states[3], params)
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
+        for a, b in zip(outs[0], _tensors((u_chain, states[3])), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            scale = float(b.abs().max()) if b.numel() and b.is_floating_point() else 0.0
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
+        params = fo.apply_updates(params, u_chain)
+
+
+def _big(gen: torch.Generator, dtype: torch.dtype, step: int = 0) -> dict[str, object]:
+    # two leaves large enough for a kernel call each, and a small one
+    del step
     return {
         "w": (torch.randn(KERNEL_MIN // 64, 64, generator=gen) * 0.3).to(dtype),
         "v": (torch.randn(KERNEL_MIN + 5, generator=gen) * 0.3).to(dtype),
@@ -78,37 +123,28 @@ def _big(gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     }
 
 
+def _many(gen: torch.Generator, dtype: torch.dtype, step: int = 0) -> dict[str, object]:
+    # runs of small leaves (stacked into one kernel call each; every third step one leaf has no
+    # gradient, so that run is shorter) plus a loner of its own shape
+    return {
+        "mats": [(torch.randn(7, 5, generator=gen) * 0.3).to(dtype) for _ in range(6)],
+        "vecs": [
+            None if step % 3 == 2 and k == 2 else torch.randn(3, generator=gen).to(dtype)
+            for k in range(5)
+        ],
+        "odd": torch.randn(2, 2, generator=gen).to(dtype),
+    }
+
+
+@pytest.mark.parametrize("make", [_big, _many], ids=["large-leaves", "stacked-runs"])
 @pytest.mark.parametrize("options", KERNEL_OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_kernel_path_matches_chain_and_donation(
-    options: dict[str, object], dtype: torch.dtype
+def test_kernel_paths_match_chain_and_donation(
+    make: Callable[[torch.Generator, torch.dtype, int], dict[str, object]],
+    options: dict[str, object],
+    dtype: torch.dtype,
 ) -> None:
-    kwargs = {"lr": 1e-2, "warmup": 2, **options}
-    fused = fo.dreamerv3(**kwargs)  # type: ignore[arg-type]
-    chain = fo.dreamerv3(**kwargs, _fused=False)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(1)
-    params = _big(gen, dtype)
-    states = [fused.init(params), fused.init(params), fused.init(params), chain.init(params)]
-    tol = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 1e-2}[dtype]
-    for _ in range(6):
-        grads = _big(gen, dtype)
-        outs = []
-        for k, flag in enumerate((None, "state", True)):
-            g = {name: x.clone() for name, x in grads.items()}
-            extra = {} if flag is None else {"donate": flag}
-            u, states[k] = fused.update(g, states[k], params, **extra)
-            outs.append((u, states[k]))
-        u_chain, states[3] = chain.update(grads, states[3], params)
-        pure = [x for x in fo.tree.leaves(outs[0]) if isinstance(x, torch.Tensor)]
-        for other in outs[1:]:
-            got = [x for x in fo.tree.leaves(other) if isinstance(x, torch.Tensor)]
-            assert all(torch.equal(a, b) for a, b in zip(pure, got, strict=True))
-        want = [x for x in fo.tree.leaves((u_chain, states[3])) if isinstance(x, torch.Tensor)]
-        for a, b in zip(pure, want, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            scale = float(b.abs().max()) if b.numel() and b.is_floating_point() else 0.0
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
-        params = fo.apply_updates(params, u_chain)
+    _check_kernel_paths(options, dtype, make)
 
 
 def test_kernel_falls_back_to_eager_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,53 +185,3 @@ def test_many_signatures_never_fall_back_to_eager_kernels() -> None:
                 )
                 outs.append([x for x in fo.tree.leaves((u, s)) if isinstance(x, torch.Tensor)])
             assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), (dtype, options)
-
-
-def _many(gen: torch.Generator, dtype: torch.dtype, drop: bool = False) -> dict[str, object]:
-    # runs of small leaves (stacked into one kernel call each) plus a loner of its own shape
-    return {
-        "mats": [(torch.randn(7, 5, generator=gen) * 0.3).to(dtype) for _ in range(6)],
-        "vecs": [
-            None if drop and k == 2 else torch.randn(3, generator=gen).to(dtype) for k in range(5)
-        ],
-        "odd": torch.randn(2, 2, generator=gen).to(dtype),
-    }
-
-
-@pytest.mark.parametrize("options", KERNEL_OPTIONS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_stacked_runs_match_chain_and_donation(
-    options: dict[str, object], dtype: torch.dtype
-) -> None:
-    kwargs = {"lr": 1e-2, "warmup": 1, **options}
-    fused = fo.dreamerv3(**kwargs)  # type: ignore[arg-type]
-    chain = fo.dreamerv3(**kwargs, _fused=False)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(4)
-    params = _many(gen, dtype)
-    states = [fused.init(params), fused.init(params), fused.init(params), chain.init(params)]
-    kept = [x.clone() for x in fo.tree.leaves(states[0]) if isinstance(x, torch.Tensor)]
-    tol = {torch.float32: 2e-6, torch.float64: 1e-13, torch.bfloat16: 1e-2}[dtype]
-    for step in range(6):
-        grads = _many(gen, dtype, drop=step % 3 == 2)
-        outs = []
-        for k, flag in enumerate((None, "state", True)):
-            g = fo.tree.map_params(lambda x: x.clone(), grads)
-            extra = {} if flag is None else {"donate": flag}
-            first = states[k]
-            u, states[k] = fused.update(g, states[k], params, **extra)
-            outs.append((u, states[k]))
-            if step == 0 and flag is None:  # the pure update never writes its inputs
-                got = [x for x in fo.tree.leaves(first) if isinstance(x, torch.Tensor)]
-                assert all(torch.equal(a, b) for a, b in zip(kept, got, strict=True))
-        u_chain, states[3] = chain.update(grads, states[3], params)
-        pure = [x for x in fo.tree.leaves(outs[0]) if isinstance(x, torch.Tensor)]
-        for other in outs[1:]:
-            got = [x for x in fo.tree.leaves(other) if isinstance(x, torch.Tensor)]
-            assert all(torch.equal(a, b) for a, b in zip(pure, got, strict=True))
-        want = [x for x in fo.tree.leaves((u_chain, states[3])) if isinstance(x, torch.Tensor)]
-        for a, b in zip(pure, want, strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            scale = float(b.abs().max()) if b.numel() and b.is_floating_point() else 0.0
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
-        assert (u_chain["vecs"][2] is None) == (step % 3 == 2)  # type: ignore[index]
-        params = fo.apply_updates(params, u_chain)
