@@ -33,7 +33,7 @@ or fails, the same kernel runs eagerly.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -45,18 +45,6 @@ from functional_opt._kernels import apply_kernel
 __all__ = ["FlatBucket", "eligible_options", "eligible_params"]
 
 
-# One function (so one compiled cache) per call form, so that each form's guards (sizes of one
-# specialize) and each dtype take one cache entry of their own function.
-
-
-def _rows_kernel(*args: Tensor) -> None:
-    apply_kernel(*args)  # a run of at least two tensors: factor and step per row
-
-
-def _single_kernel(*args: Tensor) -> None:
-    apply_kernel(*args)  # one tensor: ``[1, n]`` with ``[1, 1]`` factor and step
-
-
 def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The L2 norm of each row of ``x`` in ``dtype`` (a cascade sum: more accurate than
     ``vector_norm``, and without a widened copy of 16-bit inputs)."""
@@ -64,19 +52,8 @@ def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sqrt((y * y).sum(-1))
 
 
-def _row_norms_single(x: Tensor, dtype: torch.dtype) -> Tensor:
-    return _row_norms(x, dtype)  # one row: its own cache entry (sizes of one specialize)
-
-
-_FORMS: dict[str, Callable[..., Any]] = {
-    "rows": _rows_kernel,
-    "single": _single_kernel,
-    "norms": _row_norms,
-    "norms_single": _row_norms_single,
-}
-
 MERGE = 1 << 16
-"""Runs with fewer elements than this (all their tensors together) share one kernel call."""
+"""Runs with fewer elements than this (all their tensors together) share one eager pass."""
 
 DOT_ROWS = 1 << 14
 DOT_MAX_COUNT = 256
@@ -160,11 +137,10 @@ class FlatBucket:
             first_index += count
             offset += count * n
         self.merged_runs = len(merged)
-
         self.merged_numel = sum(n * len(by_size[n]) for n in merged)
         self.merged_tensors = sum(len(by_size[n]) for n in merged)
         device = self.p.device
-        # Per-element index of the tensor each merged element belongs to, and the row buffer
+        # The sizes that spread the merged tensors' clip factors per element, and the row buffer
         # that carries each tensor's step size into the kernel.
         self.merged_sizes = torch.tensor(self.sizes[: self.merged_tensors], device=device)
         self.step_rows = torch.empty((len(self.params), 1), dtype=mdtype, device=device)
@@ -234,7 +210,7 @@ class FlatBucket:
         if flat.dtype == mdtype or run.rows * run.size < MERGE:
             out = torch.linalg.vector_norm(rows, dim=1, dtype=mdtype)
         else:
-            out = self._call("norms" if run.rows > 1 else "norms_single", rows, mdtype)
+            out = _kernels.call(_row_norms, rows, mdtype)
         return out
 
     def _factors(self, run: Run, agc: float, pmin: float) -> Tensor:
@@ -311,8 +287,8 @@ class FlatBucket:
         # Run by run. (Updating in chunks right after their norms, so that the kernel would find
         # g and p in cache, measured slower on W1: the calls cost more than the cache saves.)
         for run in self.runs[self.merged_runs :]:
-            self._call(
-                "rows" if run.rows > 1 else "single",
+            _kernels.call(
+                apply_kernel,
                 *(self._rows(t, run) for t in self.flats),
                 self._factors(run, agc, pmin).view(-1, 1),
                 self.step_rows[run.first : run.first + run.rows],
@@ -322,6 +298,3 @@ class FlatBucket:
             self.p_views[i].copy_(p)
             self.nu_views[i].copy_(nu)
             self.mu_views[i].copy_(mu)
-
-    def _call(self, form: str, *args: Any) -> Any:
-        return _kernels.call(_FORMS[form], *args)
