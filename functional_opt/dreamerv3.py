@@ -256,29 +256,28 @@ def _fused_update(
         inv_bc2 = 1 / (1 - torch.as_tensor(h.beta2, dtype=torch.float64) ** count.double())
         step = lr_step / (1 - torch.as_tensor(h.beta1, dtype=torch.float64) ** ema_count.double())
         scalars = [torch.as_tensor(x, dtype=torch.float64) for x in (h.beta1, h.beta2, h.eps)]
-        one = torch.ones((), dtype=torch.float32)
-        # The update goes into a donated gradient's buffer unless a gradient appears twice.
-        in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
         decay = None
         if _decays(h):  # u gets -lr_t wd p: the kernels then read the params too
             decay = lr_step * torch.as_tensor(h.weight_decay, dtype=torch.float64)
+        # The update goes into a donated gradient's buffer unless a gradient appears twice.
+        in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
         for i in big:
-            factor = one if factors is None else factors[i]
-            views = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1))
-            args: tuple[Tensor, ...] = (*views, factor, step, inv_bc2, *scalars)
-            if decay is not None:
-                args = (*args, p[i].reshape(-1), decay)
-            if in_place and _writable(g[i]):
-                _kernels.call(_kernels.update_kernel_in_place, *args)
-                nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
-                continue
-            if donate:
-                flat_u = _kernels.call(_kernels.update_kernel_donated, *args)
-                nu[i], mu[i] = nu_old[i], mu_old[i]
-            else:
-                flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args)
-                nu[i], mu[i] = flat_nu.view_as(nu_old[i]), flat_mu.view_as(mu_old[i])
-            u[i] = flat_u.view_as(g[i])
+            factor = None if factors is None else factors[i]
+            _leaf_update(
+                i,
+                g,
+                p,
+                nu_old,
+                mu_old,
+                (u, nu, mu),
+                donate,
+                in_place,
+                factor,
+                step,
+                inv_bc2,
+                scalars,
+                decay,
+            )
         for idx in runs:
             _run_update(
                 h, idx, g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay
@@ -287,6 +286,43 @@ def _fused_update(
     if h.momentum:
         new_state[2] = EmaState(ema_count, at.carry(state[2].ema, mu))
     return at.updates(u), tuple(new_state)
+
+
+def _leaf_update(
+    i: int,
+    g: list[Tensor],
+    p: list[Tensor],
+    nu_old: list[Tensor],
+    mu_old: list[Tensor],
+    out: tuple[list[Tensor], list[Tensor], list[Tensor]],
+    donate: bool,
+    in_place: bool,
+    factor: Tensor | None,
+    step: Tensor,
+    inv_bc2: Tensor,
+    scalars: list[Tensor],
+    decay: Tensor | None,
+) -> None:
+    """One kernel call for the large leaf ``i``: the moments in place when donated, the update
+    into the gradient's buffer when the updates are donated too (``in_place``)."""
+    u, nu, mu = out
+    if factor is None:
+        factor = torch.ones((), dtype=torch.float32)
+    views = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1))
+    args: tuple[Tensor, ...] = (*views, factor, step, inv_bc2, *scalars)
+    if decay is not None:
+        args = (*args, p[i].reshape(-1), decay)
+    if in_place and _writable(g[i]):
+        _kernels.call(_kernels.update_kernel_in_place, *args)
+        nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
+        return
+    if donate:
+        flat_u = _kernels.call(_kernels.update_kernel_donated, *args)
+        nu[i], mu[i] = nu_old[i], mu_old[i]
+    else:
+        flat_nu, flat_mu, flat_u = _kernels.call(_kernels.update_kernel, *args)
+        nu[i], mu[i] = flat_nu.view_as(nu_old[i]), flat_mu.view_as(mu_old[i])
+    u[i] = flat_u.view_as(g[i])
 
 
 def _run_update(
