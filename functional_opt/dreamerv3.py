@@ -261,62 +261,49 @@ def _fused_update(
             decay = lr_step * torch.as_tensor(h.weight_decay, dtype=torch.float64)
         # The update goes into a donated gradient's buffer unless a gradient appears twice.
         in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
+        ctx = _KernelStep(g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay)
         for i in big:
-            factor = None if factors is None else factors[i]
-            _leaf_update(
-                i,
-                g,
-                p,
-                nu_old,
-                mu_old,
-                (u, nu, mu),
-                donate,
-                in_place,
-                factor,
-                step,
-                inv_bc2,
-                scalars,
-                decay,
-            )
+            _leaf_update(ctx, i, in_place, None if factors is None else factors[i])
         for idx in runs:
-            _run_update(
-                h, idx, g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay
-            )
+            _run_update(ctx, h, idx)
     new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, nu))
     if h.momentum:
         new_state[2] = EmaState(ema_count, at.carry(state[2].ema, mu))
     return at.updates(u), tuple(new_state)
 
 
-def _leaf_update(
-    i: int,
-    g: list[Tensor],
-    p: list[Tensor],
-    nu_old: list[Tensor],
-    mu_old: list[Tensor],
-    out: tuple[list[Tensor], list[Tensor], list[Tensor]],
-    donate: bool,
-    in_place: bool,
-    factor: Tensor | None,
-    step: Tensor,
-    inv_bc2: Tensor,
-    scalars: list[Tensor],
-    decay: Tensor | None,
-) -> None:
+class _KernelStep(NamedTuple):
+    """What the kernel calls of one update share: the leaves (present ones, in order), the
+    lists the results go into, and the per-update scalars."""
+
+    g: list[Tensor]
+    p: list[Tensor]
+    nu_old: list[Tensor]
+    mu_old: list[Tensor]
+    out: tuple[list[Tensor], list[Tensor], list[Tensor]]  # u, nu, mu
+    donate: bool
+    step: Tensor  # -lr_t / (1 - b1^t)
+    inv_bc2: Tensor  # 1 / (1 - b2^t)
+    scalars: list[Tensor]  # b1, b2, eps
+    decay: Tensor | None  # -lr_t wd, or None without weight decay
+
+
+def _leaf_update(c: _KernelStep, i: int, in_place: bool, factor: Tensor | None) -> None:
     """One kernel call for the large leaf ``i``: the moments in place when donated, the update
     into the gradient's buffer when the updates are donated too (``in_place``)."""
-    u, nu, mu = out
+    u, nu, mu = c.out
+    g, nu_old, mu_old = c.g, c.nu_old, c.mu_old
     if factor is None:
         factor = torch.ones((), dtype=torch.float32)
     views = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1))
-    args: tuple[Tensor, ...] = (*views, factor, step, inv_bc2, *scalars)
-    if decay is not None:
-        args = (*args, p[i].reshape(-1), decay)
+    args: tuple[Tensor, ...] = (*views, factor, c.step, c.inv_bc2, *c.scalars)
+    if c.decay is not None:
+        args = (*args, c.p[i].reshape(-1), c.decay)
     if in_place and _writable(g[i]):
         _kernels.call(_kernels.update_kernel_in_place, *args)
         nu[i], mu[i], u[i] = nu_old[i], mu_old[i], g[i]
         return
-    if donate:
+    if c.donate:
         flat_u = _kernels.call(_kernels.update_kernel_donated, *args)
         nu[i], mu[i] = nu_old[i], mu_old[i]
     else:
@@ -325,33 +312,21 @@ def _leaf_update(
     u[i] = flat_u.view_as(g[i])
 
 
-def _run_update(
-    h: _Hyper,
-    idx: list[int],
-    g: list[Tensor],
-    p: list[Tensor],
-    nu_old: list[Tensor],
-    mu_old: list[Tensor],
-    out: tuple[list[Tensor], list[Tensor], list[Tensor]],
-    donate: bool,
-    step: Tensor,
-    inv_bc2: Tensor,
-    scalars: list[Tensor],
-    decay: Tensor | None,
-) -> None:
+def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
     """One kernel call for the leaves ``idx`` (one shape and dtype), stacked into rows.
 
     The gradients are always stacked into a buffer of our own, which takes the update; the
     moments are used in place when they already are the rows of one buffer and are donated,
     and stacked into a new buffer otherwise, so both cases run the same kernel on the same
     values (the same bits)."""
+    g, p, nu_old, mu_old, decay = c.g, c.p, c.nu_old, c.mu_old, c.decay
     rows, shape = len(idx), g[idx[0]].shape
     grads = _stack_rows([g[i] for i in idx])
     moments = []
     in_place = []
     for old in (nu_old, mu_old):
         leaves = [old[i] for i in idx]
-        base = _stacked_rows(leaves) if donate else None
+        base = _stacked_rows(leaves) if c.donate else None
         in_place.append(base is not None)
         moments.append(base if base is not None else _stack_rows(leaves))
     nu, mu = moments
@@ -364,14 +339,14 @@ def _run_update(
         pnorm = torch.linalg.vector_norm(params, dim=1, dtype=nu.dtype)
         factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
     # per row, like the factor: a 0-d step would split the kernel's loops in two
-    step_rows = step.to(nu.dtype).expand(rows, 1).contiguous()
-    args: tuple[Tensor, ...] = (grads, nu, mu, factor, step_rows, inv_bc2, *scalars)
+    step_rows = c.step.to(nu.dtype).expand(rows, 1).contiguous()
+    args: tuple[Tensor, ...] = (grads, nu, mu, factor, step_rows, c.inv_bc2, *c.scalars)
     if decay is not None and params is not None:
         args = (*args, params, decay.to(nu.dtype).expand(rows, 1).contiguous())
     _kernels.call(_kernels.update_kernel_in_place, *args)
     olds: tuple[list[Tensor], ...] = ([], nu_old, mu_old)
     for target, buffer, old, kept in zip(
-        out, (grads, nu, mu), olds, (False, *in_place), strict=True
+        c.out, (grads, nu, mu), olds, (False, *in_place), strict=True
     ):
         if kept:  # the old leaves are views of the buffer just updated
             for i in idx:
