@@ -41,6 +41,7 @@ from torch import Tensor
 
 from functional_opt import _kernels
 from functional_opt._kernels import apply_kernel
+from functional_opt.transforms.moments import moment_dtype
 
 __all__ = ["FlatBucket", "eligible_options", "eligible_params"]
 
@@ -88,10 +89,6 @@ def _eligible_grad(g: Tensor, view: Tensor) -> bool:
     )
 
 
-def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class Run(NamedTuple):
     """``rows`` tensors of ``size`` elements each, starting at tensor ``first`` and element
     ``offset`` of the bucket."""
@@ -119,7 +116,7 @@ class FlatBucket:
         self.params = [params[i] for i in order]
         self.sizes = [p.numel() for p in self.params]
         first = params[0]
-        mdtype = _moment_dtype(first.dtype)
+        mdtype = moment_dtype(first, "float32_for_16bit")
         with torch.no_grad():
             self.p = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.g = torch.zeros_like(self.p)

@@ -28,6 +28,7 @@ from functional_opt.transforms.moments import (
     ScaleByRmsWithCountState,
     bias_correction,
     ema,
+    moment_dtype,
     scale_by_rms,
 )
 from functional_opt.transforms.scaling import ScaleByScheduleState, scale_by_learning_rate
@@ -262,8 +263,9 @@ def _fused_update(
         # The update goes into a donated gradient's buffer unless a gradient appears twice.
         in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
         ctx = _KernelStep(g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay)
+        one = torch.ones((), dtype=torch.float32)  # the clip factor without clipping
         for i in big:
-            _leaf_update(ctx, i, in_place, None if factors is None else factors[i])
+            _leaf_update(ctx, i, in_place, one if factors is None else factors[i])
         for idx in runs:
             _run_update(ctx, h, idx)
     new_state[1] = ScaleByRmsWithCountState(count, at.carry(rms_state.nu, nu))
@@ -288,13 +290,11 @@ class _KernelStep(NamedTuple):
     decay: Tensor | None  # -lr_t wd, or None without weight decay
 
 
-def _leaf_update(c: _KernelStep, i: int, in_place: bool, factor: Tensor | None) -> None:
+def _leaf_update(c: _KernelStep, i: int, in_place: bool, factor: Tensor) -> None:
     """One kernel call for the large leaf ``i``: the moments in place when donated, the update
     into the gradient's buffer when the updates are donated too (``in_place``)."""
     u, nu, mu = c.out
     g, nu_old, mu_old = c.g, c.nu_old, c.mu_old
-    if factor is None:
-        factor = torch.ones((), dtype=torch.float32)
     views = (g[i].view(-1), nu_old[i].view(-1), mu_old[i].view(-1))
     args: tuple[Tensor, ...] = (*views, factor, c.step, c.inv_bc2, *c.scalars)
     if c.decay is not None:
@@ -374,15 +374,13 @@ def _leaf_norms(g: list[Tensor], p: list[Tensor]) -> tuple[Tensor, Tensor]:
         return _lists.stack(gs).sqrt_(), _lists.stack(ps).sqrt_()
     pairs = torch.stack(
         [
-            _kernels.call(_kernels.norm_pair, x.view(-1), y.reshape(-1), _moment_dtype(x.dtype))
+            _kernels.call(
+                _kernels.norm_pair, x.view(-1), y.reshape(-1), moment_dtype(x, "float32_for_16bit")
+            )
             for x, y in zip(g, p, strict=True)
         ]
     )
     return pairs[:, 0], pairs[:, 1]
-
-
-def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _writable(x: Tensor) -> bool:
