@@ -6,16 +6,17 @@ into per-tensor scalars, so there is one division per element and no temporaries
 ``dreamerv3``'s eager update for large leaves and by ``DreamerV3Optimizer``'s flat buffers.
 
 Every kernel is compiled with ``dynamic=True`` (one compilation serves every size) the first
-time it runs with a given signature, and falls back to running eagerly, with a warning, if
-compilation fails.
+time it runs with a given signature, then called without ``torch._dynamo``'s per-call work
+(:class:`_Compiled`), and falls back to running eagerly, with a warning, if compilation fails.
 """
 
 from __future__ import annotations
 
+import operator
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -150,29 +151,160 @@ def norm_pair(g: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 _Key = tuple[Any, ...]
-_COMPILED: dict[_Key, Callable[..., Any]] = {}
+_COMPILED: dict[_Key, _Compiled] = {}
 _FAILED: set[Callable[..., Any]] = set()
 
 
 def _signature(fn: Callable[..., Any], args: tuple[Any, ...]) -> _Key:
-    parts = [(a.dtype, a.device.type, a.dim()) if isinstance(a, Tensor) else a for a in args]
-    return (fn, *parts)
+    return (
+        fn,
+        *[
+            (a.dtype, a.device, *[n if n < 2 else 2 for n in a.shape])
+            if isinstance(a, Tensor)
+            else a
+            for a in args
+        ],
+    )
 
 
-def compiled(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
-    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)`` for arguments like ``args``.
+class _Compiled:
+    """``fn`` under ``torch.compile(fullgraph=True, dynamic=True)``, called directly once compiled.
 
-    Each signature (the dtypes, devices and ranks of the tensors, the other arguments) gets a
-    copy of ``fn`` with a code object of its own, so that its compilations never share
-    ``torch._dynamo``'s per-function recompile limit with other signatures: past that limit
-    dynamo would silently run the function eagerly, with other rounding."""
-    key = _signature(fn, args)
-    out = _COMPILED.get(key)
-    if out is None:
+    The first call goes through ``torch._dynamo``, which traces ``fn`` into one graph and hands
+    it to inductor. Later calls skip dynamo's frame evaluation and guards (60-150 us per call,
+    as much as a kernel over 100K elements costs) and call inductor's compiled graph with the
+    arguments in the graph's order, sizes included (:class:`_Direct`). That is safe because each
+    instance serves one signature (dtypes, devices, ranks, which sizes are 0 or 1: the things
+    dynamo specializes a dynamic graph on), and the compiled graph still checks every input's
+    sizes and strides before it runs (a mismatch goes back through dynamo). Calls that autograd
+    would record, and functions dynamo splits into more than one graph, always go through
+    dynamo."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        # A code object of its own: compilations of other signatures never count against this
+        # one's recompile limit (past it dynamo silently runs the function eagerly, with other
+        # rounding).
         copy = types.FunctionType(
             fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
         )
-        out = _COMPILED[key] = torch.compile(copy, fullgraph=True, dynamic=True)
+        self._dynamo = torch.compile(copy, backend=self._backend, fullgraph=True, dynamic=True)
+        self._graphs = 0
+        self._capture: _Capture | None = None
+        self.direct: _Direct | None = None
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        # (a callable outside inductor's ahead-of-time mode)
+        compiled = cast(Callable[..., Any], compile_fx(gm, example_inputs))
+        self._graphs += 1
+        self.direct = None
+        if self._graphs > 1 or self._capture is None:
+            self._capture = None
+            return compiled
+        capture = self._capture
+        capture.graph(gm, example_inputs)
+
+        def first(*inputs: Any) -> Any:
+            out = compiled(*inputs)
+            capture.outputs = out
+            return out
+
+        capture.compiled = compiled
+        return first
+
+    def __call__(self, *args: Any) -> Any:
+        direct = self.direct
+        if direct is not None and not _recorded(args):
+            try:
+                return direct(args)
+            except AssertionError:  # the graph's own size/stride check, before it ran
+                self.direct = None
+        if self._graphs == 0 and not _recorded(args):
+            self._capture = _Capture(args)
+        result = self._dynamo(*args)
+        capture, self._capture = self._capture, None
+        if capture is not None and self._graphs == 1:
+            self.direct = capture.direct(result)
+        return result
+
+
+def _recorded(args: tuple[Any, ...]) -> bool:
+    """Whether autograd would record a call with these arguments."""
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+
+
+class _Direct(NamedTuple):
+    """How to call a compiled graph without dynamo: which argument (or which size of which
+    argument) each graph input is, and how the outputs form the function's result."""
+
+    compiled: Callable[..., Any]
+    inputs: tuple[tuple[int, int], ...]  # (argument, -1) or (argument, dimension)
+    form: int  # -1: None; 0: one tensor; k > 0: a tuple of k tensors
+
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        out = self.compiled(*[args[i] if d < 0 else args[i].shape[d] for i, d in self.inputs])
+        if self.form < 0:
+            return None
+        return out[0] if self.form == 0 else tuple(out)
+
+
+class _Capture:
+    """What the compiling call shows of the graph, turned into a :class:`_Direct` if every
+    graph input is an argument or one of its sizes and every output part of the result."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+        self.inputs: tuple[tuple[int, int], ...] | None = None
+        self.compiled: Callable[..., Any] | None = None
+        self.outputs: Any = None
+
+    def graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        tensors = [a for a in self.args if isinstance(a, Tensor)]
+        if len({id(a) for a in tensors}) != len(tensors):
+            return  # an argument passed twice is one graph input: later calls may differ
+        where = {id(a): i for i, a in enumerate(self.args) if isinstance(a, Tensor)}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            return
+        sizes: dict[Any, tuple[int, int]] = {}  # symbol -> (argument, dimension)
+        for node, example in zip(placeholders, example_inputs, strict=True):
+            fake = node.meta.get("example_value")
+            if isinstance(example, Tensor) and id(example) in where and fake is not None:
+                for d, n in enumerate(fake.shape):
+                    if isinstance(n, torch.SymInt):
+                        sizes.setdefault(n.node.expr, (where[id(example)], d))
+        inputs = []
+        for example in example_inputs:
+            if isinstance(example, Tensor) and id(example) in where:
+                inputs.append((where[id(example)], -1))
+            elif isinstance(example, torch.SymInt) and example.node.expr in sizes:
+                inputs.append(sizes[example.node.expr])
+            else:
+                return
+        self.inputs = tuple(inputs)
+
+    def direct(self, result: Any) -> _Direct | None:
+        if self.inputs is None or self.compiled is None or self.outputs is None:
+            return None
+        out = list(self.outputs)
+        if result is None:
+            form = -1 if not out else None
+        elif isinstance(result, Tensor):
+            form = 0 if len(out) == 1 and out[0] is result else None
+        elif isinstance(result, tuple) and len(result) == len(out) > 0:
+            form = len(out) if all(map(operator.is_, result, out)) else None
+        else:
+            form = None
+        return None if form is None else _Direct(self.compiled, self.inputs, form)
+
+
+def compiled(fn: Callable[..., Any], *args: Any) -> _Compiled:
+    """``fn`` compiled for arguments like ``args`` (see :class:`_Compiled`)."""
+    key = _signature(fn, args)
+    out = _COMPILED.get(key)
+    if out is None:
+        out = _COMPILED[key] = _Compiled(fn)
     return out
 
 
