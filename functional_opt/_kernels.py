@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ADD_MIN",
+    "add_in_place",
     "apply_kernel",
     "call",
     "compiled",
@@ -141,6 +143,17 @@ def update_kernel_in_place(
     nu.copy_(nu_new)
     mu.copy_(mu_new)
     g.copy_(_update(g, mu_new, step_size, p, decay))
+
+
+ADD_MIN = 1 << 14
+"""16-bit tensors with at least this many elements take :func:`add_in_place` in eager
+``apply_updates(..., donate=True)``."""
+
+
+def add_in_place(p: Tensor, u: Tensor) -> None:
+    """``p <- p + u``, summed in float32 and rounded once to ``p``'s dtype (as eager adds of
+    16-bit tensors do)."""
+    p.copy_((p.to(torch.float32) + u.to(torch.float32)).to(p.dtype))
 
 
 def norm_pair(g: Tensor, p: Tensor, dtype: torch.dtype) -> Tensor:

@@ -140,10 +140,12 @@ def test_chain_donates_updates_to_its_first_transform_only() -> None:
     assert seen == [True, "state", "state", "state", None, None]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_apply_updates_donated_is_identical_and_in_place(dtype: torch.dtype) -> None:
-    params = _tree(0, dtype)
-    updates = _tree(1, dtype)
+@pytest.mark.parametrize("big", [False, True], ids=["small", "large-leaf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_apply_updates_donated_is_identical_and_in_place(dtype: torch.dtype, big: bool) -> None:
+    # large 16-bit leaves take a compiled add: the same sums, rounded once
+    params = _tree(0, dtype, big)
+    updates = _tree(1, dtype, big)
     want = fo.apply_updates(params, updates)
     buffers = [x.data_ptr() for x in _leaves(params)]
     got = fo.apply_updates(params, updates, donate=True)
