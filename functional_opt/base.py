@@ -224,7 +224,7 @@ def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
     """``x += u`` for each pair: large 16-bit pairs of one dtype through a compiled kernel
     (eager 16-bit adds measured twice as slow; the sums are the same, rounded once from
     float32), the rest with one multi-tensor add."""
-    rest = range(len(xs))
+    rest: list[int] | range = range(len(xs))
     if not torch.compiler.is_compiling():
         narrow = [
             i
