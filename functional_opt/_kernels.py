@@ -220,7 +220,8 @@ class _Compiled:
 
         def first(*inputs: Any) -> Any:
             out = compiled(*inputs)
-            capture.outputs = out
+            if capture.args is not None:  # the compiling call: see what the outputs are
+                capture.outputs = out
             return out
 
         capture.compiled = compiled
@@ -235,10 +236,14 @@ class _Compiled:
                 self.direct = None
         if self._graphs == 0 and not _recorded(args):
             self._capture = _Capture(args)
-        result = self._dynamo(*args)
-        capture, self._capture = self._capture, None
-        if capture is not None and self._graphs == 1:
-            self.direct = capture.direct(result)
+        try:
+            result = self._dynamo(*args)
+        finally:
+            capture, self._capture = self._capture, None
+        if capture is not None:
+            if self._graphs == 1:
+                self.direct = capture.direct(result)
+            capture.release()
         return result
 
 
@@ -267,16 +272,21 @@ class _Capture:
     graph input is an argument or one of its sizes and every output part of the result."""
 
     def __init__(self, args: tuple[Any, ...]) -> None:
-        self.args = args
+        self.args: tuple[Any, ...] | None = args
         self.inputs: tuple[tuple[int, int], ...] | None = None
         self.compiled: Callable[..., Any] | None = None
         self.outputs: Any = None
 
+    def release(self) -> None:
+        """Drop the references to the compiling call's tensors."""
+        self.args = self.outputs = None
+
     def graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
-        tensors = [a for a in self.args if isinstance(a, Tensor)]
+        args = self.args or ()
+        tensors = [a for a in args if isinstance(a, Tensor)]
         if len({id(a) for a in tensors}) != len(tensors):
             return  # an argument passed twice is one graph input: later calls may differ
-        where = {id(a): i for i, a in enumerate(self.args) if isinstance(a, Tensor)}
+        where = {id(a): i for i, a in enumerate(args) if isinstance(a, Tensor)}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(example_inputs):
             return

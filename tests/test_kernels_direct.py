@@ -159,3 +159,17 @@ def test_an_argument_passed_twice_never_gets_direct_calls(fresh: None) -> None:
     args = (g, nu, mu, factor, factor, *scalars)
     _kernels.call(_kernels.update_kernel_donated, *args)
     assert _kernels.compiled(_kernels.update_kernel_donated, *args).direct is None
+
+
+def test_compiling_keeps_no_reference_to_the_first_call_tensors(fresh: None) -> None:
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(5)
+    args = _kernel_args(_kernels.update_kernel, *_moments(gen, (30,)))
+    out = _kernels.call(_kernels.update_kernel, *args)
+    assert _kernels.compiled(_kernels.update_kernel, *args).direct is not None
+    refs = [weakref.ref(t) for t in (*args[:3], *out)]
+    del args, out
+    gc.collect()
+    assert all(r() is None for r in refs)
