@@ -76,6 +76,23 @@ def full_values(xs: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
+def once(s: Any) -> Any:
+    """``s`` unchanged, except that under ``torch.compile`` a 0-d tensor (or each one of a list)
+    is made a buffer computed once per call.
+
+    Inductor otherwise inlines scalar math into every elementwise loop that uses it: a bias
+    correction's ``1 - b**t`` became one ``pow`` per 16 elements, which made the compiled
+    DreamerV3 update 2.7x slower on 16M elements. A reduction is always computed into a buffer of
+    its own, so ``max(s, s)`` (exactly ``s``) is."""
+    if not torch.compiler.is_compiling():
+        return s
+    if isinstance(s, (list, tuple)):
+        return [once(x) for x in s]
+    if isinstance(s, Tensor) and s.dim() == 0:
+        return torch.stack([s, s]).amax()
+    return s
+
+
 def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:
     if isinstance(s, (list, tuple)):
         return list(s)
@@ -86,6 +103,7 @@ def mul(xs: Sequence[Tensor], s: Scalar | Sequence[Scalar]) -> list[Tensor]:
     """``x * s`` for each ``x`` (in ``x``'s dtype); ``s`` is one scalar or one per tensor."""
     if not xs:
         return []
+    s = once(s)
     if use_foreach(xs, s):
         if isinstance(s, (list, tuple)) and s and isinstance(s[0], Tensor):
             return like(torch._foreach_mul(list(xs), list(s)), xs)
@@ -127,6 +145,7 @@ def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x + s`` (in ``x``'s dtype)."""
     if not xs:
         return []
+    s = once(s)
     if use_foreach(xs, s):
         return like(torch._foreach_add(list(xs), s), xs)
     return like([x + s for x in xs], xs)
@@ -203,6 +222,7 @@ def moment(
     """
     if not m:
         return []
+    decay = once(decay)
     dtypes = promoted(m, g)
     if use_foreach(m, decay) and use_foreach(g):
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
@@ -228,6 +248,7 @@ def decay_add(
     ``m``'s buffers when they already have that dtype (same arithmetic either way)."""
     if not m:
         return []
+    decay = once(decay)
     dtypes = promoted(m, g)
     gw = cast(g, dtypes)
     if use_foreach(m, decay) and use_foreach(g):
@@ -242,6 +263,7 @@ def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x / s`` for one scalar ``s`` (in ``x``'s dtype)."""
     if not xs:
         return []
+    s = once(s)
     if use_foreach(xs, s):
         return like(torch._foreach_div(list(xs), s), xs)
     return like([x / s for x in xs], xs)

@@ -153,9 +153,29 @@ def dreamerv3(
         fast = _fused_update(
             hyper, updates, state, params, donating(extra), donating_updates(extra)
         )
-        return fast if fast is not None else reference.update(updates, state, params, **extra)
+        if fast is not None:
+            return fast
+        out, new_state = reference.update(updates, state, params, **extra)
+        if donating_updates(extra) and torch.compiler.is_compiling():
+            out = _into_donated(updates, out)
+        return out, new_state
 
     return GradientTransformation(reference.init, update_fn)
+
+
+def _into_donated(updates: Updates, out: Updates) -> Updates:
+    """Under ``torch.compile``: ``out`` written into the donated ``updates``' buffers, which
+    lets inductor store the update where the gradient was instead of in a fresh buffer (fresh
+    multi-MB buffers cost page faults on every step). Unchanged where a buffer cannot take it."""
+    g, at = tree.split(updates)
+    u = at.take(out, "updates")
+    if len({id(x) for x in g}) != len(g):
+        return out
+    for x, y in zip(g, u, strict=True):
+        if x.dtype != y.dtype or x.shape != y.shape or not _writable(x):
+            return out
+    torch._foreach_copy_(g, u)  # type: ignore[misc]
+    return at.updates(g)
 
 
 class _Hyper(NamedTuple):
