@@ -49,9 +49,33 @@ def _clone(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _kernel_args(fn: Any, g: torch.Tensor, nu: torch.Tensor, mu: torch.Tensor) -> tuple[Any, ...]:
+def _kernel_args(g: torch.Tensor, nu: torch.Tensor, mu: torch.Tensor) -> tuple[Any, ...]:
     factor, step, *scalars = _hyper()
     return (g, nu, mu, factor, step, *scalars)
+
+
+def _beside_eager(fn: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``fn`` through the kernels and eagerly on copies of ``args``: both results, after checking
+    that both wrote the same into their arguments."""
+    eager = _clone(args)
+    got = _kernels.call(fn, *args)
+    want = fn(*eager)
+    for a, b in zip(args, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    return got, want
+
+
+def _compiled_and_counted(
+    fn: Any, gen: torch.Generator, size: int
+) -> tuple[_kernels._Compiled, _CountingDynamo]:
+    """``fn``'s compiled kernel after one (compiling) call, its dynamo calls counted from now."""
+    first = _kernel_args(*_moments(gen, (size,)))
+    _kernels.call(fn, *first)
+    kernel = _kernels.compiled(fn, *first)
+    assert kernel.direct is not None  # the compiling call set up direct calls
+    counter = _CountingDynamo(kernel)
+    kernel._dynamo = counter  # type: ignore[method-assign]
+    return kernel, counter
 
 
 @pytest.mark.parametrize(
@@ -61,14 +85,9 @@ def _kernel_args(fn: Any, g: torch.Tensor, nu: torch.Tensor, mu: torch.Tensor) -
 )
 def test_direct_calls_equal_dynamo_calls(fresh: None, fn: Any) -> None:
     gen = torch.Generator().manual_seed(0)
-    first = _kernel_args(fn, *_moments(gen, (300,)))
-    _kernels.call(fn, *first)
-    kernel = _kernels.compiled(fn, *first)
-    assert kernel.direct is not None  # the compiling call set up direct calls
-    counter = _CountingDynamo(kernel)
-    kernel._dynamo = counter  # type: ignore[method-assign]
+    _, counter = _compiled_and_counted(fn, gen, 300)
     for size in (300, 1000, 37):  # one compiled graph serves every size
-        args = _kernel_args(fn, *_moments(gen, (size,)))
+        args = _kernel_args(*_moments(gen, (size,)))
         via_dynamo = _clone(args)
         got = _kernels.call(fn, *args)
         want = counter.inner(*via_dynamo)
@@ -100,12 +119,7 @@ def test_sizes_equal_when_compiled_but_not_later_go_back_through_dynamo(fresh: N
     kernel = _kernels.compiled(fn, *args(6, 6))
     assert kernel.direct is not None
     for shape in ((6, 9), (4, 6), (6, 6)):
-        call_args = args(*shape)
-        eager = _clone(call_args)
-        _kernels.call(fn, *call_args)
-        fn(*eager)
-        for a, b in zip(call_args, eager, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        _beside_eager(fn, args(*shape))
 
 
 def test_a_failed_size_check_goes_back_through_dynamo(fresh: None) -> None:
@@ -113,39 +127,25 @@ def test_a_failed_size_check_goes_back_through_dynamo(fresh: None) -> None:
     # the check failing is simulated here: the call must then run once, through dynamo.
     gen = torch.Generator().manual_seed(4)
     fn = _kernels.update_kernel_donated
-    first = _kernel_args(fn, *_moments(gen, (40,)))
-    _kernels.call(fn, *first)
-    kernel = _kernels.compiled(fn, *first)
-    assert kernel.direct is not None
+    kernel, counter = _compiled_and_counted(fn, gen, 40)
 
     def failing_check(*inputs: Any) -> Any:
         raise AssertionError("expected size 40 == 41")
 
+    assert kernel.direct is not None
     kernel.direct = kernel.direct._replace(compiled=failing_check)
-    counter = _CountingDynamo(kernel)
-    kernel._dynamo = counter  # type: ignore[method-assign]
-    args = _kernel_args(fn, *_moments(gen, (41,)))
-    eager = _clone(args)
-    u = _kernels.call(fn, *args)
-    want = fn(*eager)
+    u, want = _beside_eager(fn, _kernel_args(*_moments(gen, (41,))))
     assert counter.calls == 1 and kernel.direct is None
     torch.testing.assert_close(u, want, rtol=1e-6, atol=1e-9)
-    for a, b in zip(args, eager, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
 def test_calls_autograd_records_go_through_dynamo(fresh: None) -> None:
     gen = torch.Generator().manual_seed(2)
     fn = _kernels.update_kernel
-    first = _kernel_args(fn, *_moments(gen, (64,)))
-    _kernels.call(fn, *first)
-    kernel = _kernels.compiled(fn, *first)
-    assert kernel.direct is not None
-    counter = _CountingDynamo(kernel)
-    kernel._dynamo = counter  # type: ignore[method-assign]
+    _, counter = _compiled_and_counted(fn, gen, 64)
     g, nu, mu = _moments(gen, (64,))
     g.requires_grad_(True)
-    _, _, u = _kernels.call(fn, *_kernel_args(fn, g, nu, mu))
+    _, _, u = _kernels.call(fn, *_kernel_args(g, nu, mu))
     assert counter.calls == 1 and u.requires_grad
     u.sum().backward()
     assert g.grad is not None and torch.isfinite(g.grad).all()
@@ -166,7 +166,7 @@ def test_compiling_keeps_no_reference_to_the_first_call_tensors(fresh: None) -> 
     import weakref
 
     gen = torch.Generator().manual_seed(5)
-    args = _kernel_args(_kernels.update_kernel, *_moments(gen, (30,)))
+    args = _kernel_args(*_moments(gen, (30,)))
     out = _kernels.call(_kernels.update_kernel, *args)
     assert _kernels.compiled(_kernels.update_kernel, *args).direct is not None
     refs = [weakref.ref(t) for t in (*args[:3], *out)]
