@@ -220,12 +220,17 @@ def peak_extra_bytes(step: Step) -> int | None:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start
-    )
+    # Each allocation and free counted once, in the event that made it (an event's total usage
+    # also counts its children's). An event's own frees are applied at its end and its own
+    # allocations at its start, so the result is never below the true peak.
+    changes = []
+    for e in prof.events():
+        own = e.self_cpu_memory_usage
+        if own:
+            changes.append((e.time_range.end if own < 0 else e.time_range.start, own))
     running = peak = 0
-    for e in events:
-        running += e.cpu_memory_usage
+    for _, own in sorted(changes):
+        running += own
         peak = max(peak, running)
     return peak
 
