@@ -190,8 +190,8 @@ class _Compiled:
     instance serves one signature (dtypes, devices, ranks, which sizes are 0 or 1: the things
     dynamo specializes a dynamic graph on), and the compiled graph still checks every input's
     sizes and strides before it runs (a mismatch goes back through dynamo). Calls that autograd
-    would record, and functions dynamo splits into more than one graph, always go through
-    dynamo."""
+    would record, and every call of a signature that dynamo had to compile more than once,
+    go through dynamo."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         # A code object of its own: compilations of other signatures never count against this
@@ -333,8 +333,9 @@ def compiled(fn: Callable[..., Any], *args: Any) -> _Compiled:
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` compiled (see :func:`compiled`); if compiling fails (no C++ compiler, an
-    unsupported device...), warn once and run it eagerly from then on."""
-    if fn in _FAILED:
+    unsupported device...), warn once and run it eagerly from then on. Inside a function that
+    ``torch.compile`` is tracing, ``fn`` itself is traced into the caller's graph."""
+    if fn in _FAILED or torch.compiler.is_compiling():
         return fn(*args)
     try:
         return compiled(fn, *args)(*args)
