@@ -206,10 +206,9 @@ class _Compiled:
         self.direct: _Direct | None = None
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
-
-        # (a callable outside inductor's ahead-of-time mode)
-        compiled = cast(Callable[..., Any], compile_fx(gm, example_inputs))
+        # torch.compile's own default backend, looked up by name
+        inductor = torch._dynamo.lookup_backend("inductor")
+        compiled = cast(Callable[..., Any], inductor(gm, example_inputs))
         self._graphs += 1
         self.direct = None
         if self._graphs > 1 or self._capture is None:
