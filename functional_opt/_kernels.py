@@ -119,10 +119,12 @@ def update_kernel_donated(
 ) -> Tensor:
     """:func:`update_kernel` with the new moments written into ``nu`` and ``mu``; returns ``u``
     (the same arithmetic, so the same bits)."""
-    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
+    nu_new, mu_new, u = update_kernel(
+        g, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps, p, decay
+    )
     nu.copy_(nu_new)
     mu.copy_(mu_new)
-    return _update(g, mu_new, step_size, p, decay)
+    return u
 
 
 def update_kernel_in_place(
@@ -139,10 +141,9 @@ def update_kernel_in_place(
     decay: Tensor | None = None,
 ) -> None:
     """:func:`update_kernel_donated` with ``u`` written into ``g`` too (donated updates)."""
-    nu_new, mu_new = moments_math(g, nu, mu, factor, inv_bc2, beta1, beta2, eps)
-    nu.copy_(nu_new)
-    mu.copy_(mu_new)
-    g.copy_(_update(g, mu_new, step_size, p, decay))
+    g.copy_(
+        update_kernel_donated(g, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps, p, decay)
+    )
 
 
 ADD_MIN = 1 << 14
