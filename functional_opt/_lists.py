@@ -31,7 +31,7 @@ Scalar = float | Tensor
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((Tensor, torch.nn.Parameter))
 
 
 def dtensor_type() -> type[Tensor] | None:
@@ -49,10 +49,11 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
         return True
     if any(isinstance(s, Tensor) and _is_wrapped(s) for s in scalars):
         return False
-    if all(type(x) in _PLAIN and not _is_wrapped(x) for x in xs):
+    types = set(map(type, xs))  # C-level loops: lists of thousands of leaves are common
+    if types <= _PLAIN and not any(map(_is_wrapped, xs)):
         return True
     dtensor = dtensor_type()
-    return dtensor is not None and all(type(x) is dtensor for x in xs)
+    return dtensor is not None and types == {dtensor}
 
 
 def full_values(xs: Sequence[Tensor]) -> list[Tensor]:

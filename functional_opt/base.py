@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -217,7 +218,7 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     return tree.unflatten(spec, out)
 
 
-_NARROW = (torch.bfloat16, torch.float16)
+_NARROW = frozenset((torch.bfloat16, torch.float16))
 
 
 def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
@@ -225,7 +226,7 @@ def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
     (eager 16-bit adds measured twice as slow; the sums are the same, rounded once from
     float32), the rest with one multi-tensor add."""
     rest: list[int] | range = range(len(xs))
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not _NARROW.isdisjoint(map(_DTYPE, xs)):
         narrow = [
             i
             for i, (x, u) in enumerate(zip(xs, us, strict=True))
@@ -249,10 +250,17 @@ def _in_place_ok(xs: list[Tensor], us: list[Tensor]) -> bool:
         return False
     if len({id(x) for x in xs}) != len(xs):
         return False  # a param twice in the tree: each sum must see the old value
-    tracked = any(x.requires_grad or u.requires_grad for x, u in zip(xs, us, strict=True))
-    if tracked and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, (*xs, *us))):
         return False  # autograd may need the old values, and leaves refuse in-place ops
-    return all(
-        x.dtype == torch.promote_types(x.dtype, u.dtype) and x.shape == u.shape
-        for x, u in zip(xs, us, strict=True)
+    if list(map(_SHAPE, xs)) != list(map(_SHAPE, us)):
+        return False
+    pdtypes, udtypes = list(map(_DTYPE, xs)), list(map(_DTYPE, us))
+    return pdtypes == udtypes or all(
+        p == torch.promote_types(p, u) for p, u in zip(pdtypes, udtypes, strict=True)
     )
+
+
+# C-level attribute getters: apply_updates' checks run over every leaf of large trees.
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")

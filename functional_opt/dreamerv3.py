@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -282,7 +283,9 @@ def _fused_update(
             decay = lr_step * torch.as_tensor(h.weight_decay, dtype=torch.float64)
         # The update goes into a donated gradient's buffer unless a gradient appears twice.
         in_place = donate and donate_updates and len({id(g[i]) for i in big}) == len(big)
-        ctx = _KernelStep(g, p, nu_old, mu_old, (u, nu, mu), donate, step, inv_bc2, scalars, decay)
+        ctx = _KernelStep(
+            g, p, nu_old, mu_old, (u, nu, mu), donate, donate_updates, step, inv_bc2, scalars, decay
+        )
         one = torch.ones((), dtype=torch.float32)  # the clip factor without clipping
         for i in big:
             _leaf_update(ctx, i, in_place, one if factors is None else factors[i])
@@ -304,6 +307,7 @@ class _KernelStep(NamedTuple):
     mu_old: list[Tensor]
     out: tuple[list[Tensor], list[Tensor], list[Tensor]]  # u, nu, mu
     donate: bool
+    donate_updates: bool
     step: Tensor  # -lr_t / (1 - b1^t)
     inv_bc2: Tensor  # 1 / (1 - b2^t)
     scalars: list[Tensor]  # b1, b2, eps
@@ -335,13 +339,22 @@ def _leaf_update(c: _KernelStep, i: int, in_place: bool, factor: Tensor) -> None
 def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
     """One kernel call for the leaves ``idx`` (one shape and dtype), stacked into rows.
 
-    The gradients are always stacked into a buffer of our own, which takes the update; the
-    moments are used in place when they already are the rows of one buffer and are donated,
-    and stacked into a new buffer otherwise, so both cases run the same kernel on the same
-    values (the same bits)."""
+    Leaves that already are the consecutive rows of one buffer (the state this function
+    returns, or params and gradients kept in flat buffers, see :func:`functional_opt.flat`)
+    are used through that buffer: the moments when donated, the gradients when the updates are
+    donated too (they then take the update), the params always (only read). Other leaves are
+    stacked into new buffers, so every case runs the same kernel on the same values (the same
+    bits); the update goes into the params' stacked copy once their norms are taken, when the
+    kernel has no other use for it (one fresh buffer instead of two: fresh multi-MB buffers
+    cost page faults on every step)."""
     g, p, nu_old, mu_old, decay = c.g, c.p, c.nu_old, c.mu_old, c.decay
     rows, shape = len(idx), g[idx[0]].shape
-    grads = _stack_rows([g[i] for i in idx])
+    grad_leaves = [g[i] for i in idx]
+    grads = None
+    if c.donate_updates and _writable(grad_leaves[0]):  # one dtype; requires_grad below
+        tracked = torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, grad_leaves))
+        grads = None if tracked else _stacked_rows(grad_leaves)
+    grads_kept = grads is not None
     moments = []
     in_place = []
     for old in (nu_old, mu_old):
@@ -351,22 +364,31 @@ def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
         moments.append(base if base is not None else _stack_rows(leaves))
     nu, mu = moments
     agc_off = isinstance(h.agc, (int, float)) and h.agc == 0
-    params = None if agc_off and decay is None else _stack_rows([p[i] for i in idx])
-    if agc_off or params is None:
-        factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
-    else:
-        unorm = torch.linalg.vector_norm(grads, dim=1, dtype=nu.dtype)
+    params = None
+    params_own = False  # whether ``params`` is a fresh copy (free to take the update)
+    if not (agc_off and decay is None):
+        param_leaves = [p[i] for i in idx]
+        params = _stacked_rows(param_leaves)
+        if params is None:
+            params, params_own = _stack_rows(param_leaves), True
+    factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
+    if not agc_off and params is not None:
         pnorm = torch.linalg.vector_norm(params, dim=1, dtype=nu.dtype)
+        if grads is None:
+            grads = _stack_rows(grad_leaves, params if params_own and decay is None else None)
+        unorm = torch.linalg.vector_norm(grads, dim=1, dtype=nu.dtype)
         factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
+    if grads is None:
+        grads = _stack_rows(grad_leaves)
     # per row, like the factor: a 0-d step would split the kernel's loops in two
     step_rows = c.step.to(nu.dtype).expand(rows, 1).contiguous()
     args: tuple[Tensor, ...] = (grads, nu, mu, factor, step_rows, c.inv_bc2, *c.scalars)
     if decay is not None and params is not None:
         args = (*args, params, decay.to(nu.dtype).expand(rows, 1).contiguous())
     _kernels.call(_kernels.update_kernel_in_place, *args)
-    olds: tuple[list[Tensor], ...] = ([], nu_old, mu_old)
+    olds: tuple[list[Tensor], ...] = (g, nu_old, mu_old)
     for target, buffer, old, kept in zip(
-        c.out, (grads, nu, mu), olds, (False, *in_place), strict=True
+        c.out, (grads, nu, mu), olds, (grads_kept, *in_place), strict=True
     ):
         if kept:  # the old leaves are views of the buffer just updated
             for i in idx:
@@ -376,9 +398,13 @@ def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
             target[i] = leaf
 
 
-def _stack_rows(xs: list[Tensor]) -> Tensor:
-    """The tensors (one shape, contiguous) copied into the rows of a new ``[len(xs), n]``
-    buffer."""
+def _stack_rows(xs: list[Tensor], into: Tensor | None = None) -> Tensor:
+    """The tensors (one shape, contiguous) copied into the rows of a ``[len(xs), n]`` buffer:
+    ``into`` when it is a buffer of that size and dtype that may be overwritten, else a new
+    one."""
+    if into is not None and into.dtype == xs[0].dtype and into.numel() == len(xs) * xs[0].numel():
+        flat = [x.view(-1) for x in xs] if xs[0].dim() != 1 else xs
+        return torch.cat(flat, out=into.view(-1)).view(len(xs), -1)
     joined = torch.cat(xs) if xs[0].dim() > 0 else torch.stack(xs)
     return joined.view(len(xs), -1)
 
@@ -429,22 +455,41 @@ def _kernel_routes(
     least as wide as the update's."""
     if not _kernel_options(h):
         return set(), []
-    big: set[int] = set()
+    # Grouped by everything that qualifies a leaf but contiguity, with C-level attribute
+    # loops (trees of thousands of small leaves are common), then checked per group.
+    leaf = list(zip(map(type, g), map(_SHAPE, g), map(_DTYPE, g), map(_DEVICE, g), strict=True))
+    keys = list(zip(leaf, map(_DTYPE, nu), map(_DEVICE, nu), map(_DTYPE, mu), strict=True))
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, (x, n, m) in enumerate(zip(g, nu, mu, strict=True)):
-        if type(x) is not Tensor or not (x.is_contiguous() and n.is_contiguous()):
+    if len(set(keys)) == 1:
+        groups[keys[0]] = list(range(len(keys)))
+    else:
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+    big: set[int] = set()
+    runs: list[list[int]] = []
+    for ((kind, shape, dtype, device), nu_dtype, nu_device, mu_dtype), idx in groups.items():
+        if kind is not Tensor or mu_dtype != nu_dtype or nu_device != device:
             continue
-        dtype = n.dtype
-        if not m.is_contiguous() or m.dtype != dtype or n.device != x.device:
+        if dtype != nu_dtype and torch.promote_types(nu_dtype, dtype) != nu_dtype:
             continue
-        if x.dtype != dtype and torch.promote_types(dtype, x.dtype) != dtype:
+        size = math.prod(shape)
+        if size == 0 or (size < KERNEL_MIN and len(idx) < RUN_MIN):
             continue
-        size = x.numel()
+        if not all(map(Tensor.is_contiguous, [xs[i] for xs in (g, nu, mu) for i in idx])):
+            idx = [i for i in idx if g[i].is_contiguous() and nu[i].is_contiguous()]
+            idx = [i for i in idx if mu[i].is_contiguous()]
         if size >= KERNEL_MIN:
-            big.add(i)
-        elif size > 0:
-            groups.setdefault((x.shape, x.dtype, dtype, x.device), []).append(i)
-    return big, [idx for idx in groups.values() if len(idx) >= RUN_MIN]
+            big.update(idx)
+        elif len(idx) >= RUN_MIN:
+            runs.append(idx)
+    return big, runs
+
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_BASE = operator.attrgetter("_base")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _stacked_rows(xs: list[Tensor]) -> Tensor | None:
@@ -454,10 +499,11 @@ def _stacked_rows(xs: list[Tensor]) -> Tensor | None:
     if base is None or not base.is_contiguous() or base.numel() != len(xs) * xs[0].numel():
         return None
     start, row = base.data_ptr(), xs[0].numel() * xs[0].element_size()
-    for k, x in enumerate(xs):
-        if x._base is not base or x.data_ptr() != start + k * row or not x.is_contiguous():
-            return None
-    return base.view(len(xs), -1)
+    if set(map(id, map(_BASE, xs))) != {id(base)}:
+        return None
+    if list(map(Tensor.data_ptr, xs)) != list(range(start, start + len(xs) * row, row)):
+        return None
+    return base.view(len(xs), -1) if all(map(Tensor.is_contiguous, xs)) else None
 
 
 def _foreach_update(

@@ -9,10 +9,13 @@ structure agrees, and naming the first differing path when it does not), and put
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor
 
 PyTree = Any
@@ -108,7 +111,7 @@ class Leaves:
     Built by :func:`split`. ``index`` lists the flat positions of the present updates.
     """
 
-    __slots__ = ("index", "kind", "reference", "spec", "values")
+    __slots__ = ("_flattened", "index", "kind", "reference", "spec", "values")
 
     def __init__(
         self, values: list[Any], spec: optree.PyTreeSpec, reference: PyTree, kind: str = "updates"
@@ -118,9 +121,16 @@ class Leaves:
         self.reference = reference
         self.kind = kind  # what ``reference`` is, for error messages
         self.index = [i for i, v in enumerate(values) if v is not None]
+        # trees already flattened by this record, by id (each kept alive with its leaves, so
+        # an id is never reused): ``carry`` after ``take`` of one state flattens it once
+        self._flattened: dict[int, tuple[PyTree, list[Any]]] = {}
 
     def flat(self, tree: PyTree, name: str) -> list[Any]:
         """All leaves of ``tree``, after checking it has the structure of the updates."""
+        compiling = torch.compiler.is_compiling()  # ids would become guards of the graph
+        seen = None if compiling else self._flattened.get(id(tree))
+        if seen is not None:
+            return seen[1]
         values, spec = flatten(tree)
         if spec != self.spec:
             where = first_difference(self.reference, tree)
@@ -128,13 +138,15 @@ class Leaves:
                 f"{name} does not have the structure of the {self.kind}: they first differ at "
                 f"{where} ({self.kind}: {self.spec}, {name}: {spec})"
             )
+        if not compiling:
+            self._flattened[id(tree)] = (tree, values)
         return values
 
     def take(self, tree: PyTree, name: str) -> list[Tensor]:
         """Leaves of ``tree`` (same structure as the updates) at the present positions."""
         values = self.flat(tree, name)
         out = [values[i] for i in self.index]
-        if any(v is None for v in out):
+        if any(map(operator.is_, out, itertools.repeat(None))):
             missing = next(i for i in self.index if values[i] is None)
             path = optree.tree_paths(tree, none_is_leaf=True, namespace=NAMESPACE)[missing]
             raise ValueError(f"{name} is None at {path_str(path)}, where the update is a tensor")

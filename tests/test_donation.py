@@ -167,3 +167,39 @@ def test_apply_updates_donated_stays_pure_where_in_place_is_unsafe() -> None:
     assert out["w"].dtype == torch.bfloat16
     with pytest.raises(TypeError, match="donate"):
         fo.apply_updates(narrow, narrow, donate="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
+    dtype: torch.dtype, weight_decay: float
+) -> None:
+    # Params and gradients kept as the rows of one buffer each (as a flat-buffer training loop
+    # keeps them): the stacked run reads them where they are, and a donated gradient buffer
+    # takes the update. The same bits as separate tensors, and as the unfused chain to rounding.
+    tx = fo.dreamerv3(1e-2, warmup=1, weight_decay=weight_decay)
+    chain = fo.dreamerv3(1e-2, warmup=1, weight_decay=weight_decay, _fused=False)
+    gen = torch.Generator().manual_seed(3)
+    flat_p = (torch.randn(6, 40, generator=gen) * 0.3).to(dtype)
+    params = list(flat_p.unbind(0))
+    s_flat, s_sep, s_chain = tx.init(params), tx.init(params), chain.init(params)
+    for _ in range(3):
+        flat_g = torch.randn(6, 40, generator=gen).to(dtype)
+        grads = list(flat_g.unbind(0))
+        separate = [g.clone() for g in grads]
+        kept = flat_g.clone()
+        u_pure, _ = tx.update(grads, s_flat, params)
+        assert torch.equal(flat_g, kept)  # not donated: the gradients stay as they were
+        u_chain, s_chain = chain.update(separate, s_chain, params)
+        u_sep, s_sep = tx.update([g.clone() for g in grads], s_sep, params, donate=True)
+        u_flat, s_flat = tx.update(grads, s_flat, params, donate=True)
+        if dtype == torch.float32:  # the update written into the donated gradient buffer
+            assert all(u is g for u, g in zip(u_flat, grads, strict=True))
+        flat, sep = _leaves((u_flat, s_flat)), _leaves((u_sep, s_sep))
+        assert all(_same(a, b) for a, b in zip(flat, sep, strict=True))
+        assert all(_same(a, b) for a, b in zip(u_flat, u_pure, strict=True))
+        tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+        for a, c in zip(u_flat, u_chain, strict=True):
+            torch.testing.assert_close(a, c, rtol=tol, atol=tol * float(c.abs().max()))
+        params = fo.apply_updates(params, u_chain, donate=True)  # still the rows of flat_p
+        assert all(p._base is flat_p for p in params)
