@@ -18,6 +18,7 @@ tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dty
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,15 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
         return True
     dtensor = dtensor_type()
     return dtensor is not None and types == {dtensor}
+
+
+def column(xs: Sequence[Any], attr: str) -> list[Any]:
+    """``[getattr(x, attr) for x in xs]``: a C-level loop in eager mode (trees of thousands of
+    leaves are common), a plain one under ``torch.compile`` (which cannot trace
+    ``operator.attrgetter``)."""
+    if torch.compiler.is_compiling():
+        return [getattr(x, attr) for x in xs]
+    return list(map(operator.attrgetter(attr), xs))
 
 
 def full_values(xs: Sequence[Tensor]) -> list[Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -226,7 +225,7 @@ def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
     (eager 16-bit adds measured twice as slow; the sums are the same, rounded once from
     float32), the rest with one multi-tensor add."""
     rest: list[int] | range = range(len(xs))
-    if not torch.compiler.is_compiling() and not _NARROW.isdisjoint(map(_DTYPE, xs)):
+    if not torch.compiler.is_compiling() and not _NARROW.isdisjoint(_lists.column(xs, "dtype")):
         narrow = [
             i
             for i, (x, u) in enumerate(zip(xs, us, strict=True))
@@ -250,17 +249,11 @@ def _in_place_ok(xs: list[Tensor], us: list[Tensor]) -> bool:
         return False
     if len({id(x) for x in xs}) != len(xs):
         return False  # a param twice in the tree: each sum must see the old value
-    if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, (*xs, *us))):
+    if torch.is_grad_enabled() and any(_lists.column([*xs, *us], "requires_grad")):
         return False  # autograd may need the old values, and leaves refuse in-place ops
-    if list(map(_SHAPE, xs)) != list(map(_SHAPE, us)):
+    if _lists.column(xs, "shape") != _lists.column(us, "shape"):
         return False
-    pdtypes, udtypes = list(map(_DTYPE, xs)), list(map(_DTYPE, us))
+    pdtypes, udtypes = _lists.column(xs, "dtype"), _lists.column(us, "dtype")
     return pdtypes == udtypes or all(
         p == torch.promote_types(p, u) for p, u in zip(pdtypes, udtypes, strict=True)
     )
-
-
-# C-level attribute getters: apply_updates' checks run over every leaf of large trees.
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
