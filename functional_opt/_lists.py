@@ -47,7 +47,11 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
     all plain tensors (no functorch wrapping) or all ``DTensor``s. A scalar batched by
     ``torch.func.vmap`` (e.g. a swept learning rate) sends ``xs`` down the per-tensor path."""
     if torch.compiler.is_compiling():
-        return True
+        # Dynamo traces ``_foreach_*`` ops under ``grad`` but not under ``vmap`` (no batching
+        # rules), and can ask a tensor only whether vmap batched it (a check made once, while
+        # tracing).
+        batched = torch._C._functorch.is_batchedtensor
+        return not any(isinstance(x, Tensor) and batched(x) for x in (*xs, *scalars))
     if any(isinstance(s, Tensor) and _is_wrapped(s) for s in scalars):
         return False
     types = set(map(type, xs))  # C-level loops: lists of thousands of leaves are common

@@ -472,3 +472,23 @@ def test_vmap_over_a_learning_rate_with_shared_params() -> None:
     batched = torch.func.vmap(one, in_dims=(0, None, None))(lrs, params, grads)
     for i, lr in enumerate(lrs):
         torch.testing.assert_close(batched["w"][i], -lr * grads["w"])
+
+
+def test_compiled_vmap_of_dreamerv3_matches_eager_vmap() -> None:
+    # Under torch.compile a functorch transform sends the lists down the per-tensor path
+    # (``_foreach_*`` ops have no batching rules, and dynamo cannot ask a tensor whether vmap
+    # wrapped it).
+    tx = fo.dreamerv3(lr=1e-2, warmup=0, agc=0.05)
+    params = ensemble_params()
+    update_v = vmap(tx.update)
+    compiled = torch.compile(update_v, fullgraph=True)
+    state_eager = state_compiled = vmap(tx.init)(params)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        g = {k: torch.randn(v.shape, generator=gen, dtype=F64) for k, v in params.items()}
+        updates, state_eager = update_v(g, state_eager, params)
+        got, state_compiled = compiled(g, state_compiled, params)
+        assert_trees_close(got, updates)
+        assert_trees_close(state_compiled, state_eager)
+        assert bool(_nonzero_per_member(updates).all())
+        params = fo.apply_updates(params, updates)
