@@ -111,7 +111,7 @@ class Leaves:
     Built by :func:`split`. ``index`` lists the flat positions of the present updates.
     """
 
-    __slots__ = ("_flattened", "index", "kind", "reference", "spec", "values")
+    __slots__ = ("_flattened", "complete", "index", "kind", "reference", "spec", "values")
 
     def __init__(
         self, values: list[Any], spec: optree.PyTreeSpec, reference: PyTree, kind: str = "updates"
@@ -121,6 +121,7 @@ class Leaves:
         self.reference = reference
         self.kind = kind  # what ``reference`` is, for error messages
         self.index = [i for i, v in enumerate(values) if v is not None]
+        self.complete = len(self.index) == len(values)  # no None: positions are the identity
         # trees already flattened by this record, by id (each kept alive with its leaves, so
         # an id is never reused): ``carry`` after ``take`` of one state flattens it once
         self._flattened: dict[int, tuple[PyTree, list[Any]]] = {}
@@ -145,7 +146,7 @@ class Leaves:
     def take(self, tree: PyTree, name: str) -> list[Tensor]:
         """Leaves of ``tree`` (same structure as the updates) at the present positions."""
         values = self.flat(tree, name)
-        out = [values[i] for i in self.index]
+        out = list(values) if self.complete else [values[i] for i in self.index]
         if any(map(operator.is_, out, itertools.repeat(None))):
             missing = next(i for i in self.index if values[i] is None)
             path = optree.tree_paths(tree, none_is_leaf=True, namespace=NAMESPACE)[missing]
@@ -154,17 +155,22 @@ class Leaves:
 
     def updates(self, present: Sequence[Tensor]) -> PyTree:
         """A tree shaped like the updates: ``present`` at their positions, ``None`` elsewhere."""
-        values: list[Any] = [None] * len(self.values)
-        for i, v in zip(self.index, present, strict=True):
-            values[i] = v
-        return unflatten(self.spec, values)
+        return unflatten(self.spec, self._place(present, [None] * len(self.values)))
 
     def carry(self, old: PyTree, present: Sequence[Tensor], name: str = "state") -> PyTree:
         """``old`` with its leaves at the present positions replaced by ``present``."""
-        values = list(self.flat(old, name))
+        return unflatten(self.spec, self._place(present, self.flat(old, name)))
+
+    def _place(self, present: Sequence[Any], base: list[Any]) -> list[Any]:
+        """A copy of ``base`` with ``present`` at the present positions."""
+        if len(present) != len(self.index):
+            raise ValueError(f"expected {len(self.index)} present leaves, got {len(present)}")
+        if self.complete:
+            return list(present)
+        values = list(base)
         for i, v in zip(self.index, present, strict=True):
             values[i] = v
-        return unflatten(self.spec, values)
+        return values
 
 
 def split(updates: PyTree) -> tuple[list[Tensor], Leaves]:
