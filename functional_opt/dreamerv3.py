@@ -340,13 +340,13 @@ def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
     """One kernel call for the leaves ``idx`` (one shape and dtype), stacked into rows.
 
     Leaves that already are the consecutive rows of one buffer (the state this function
-    returns, or params and gradients kept in flat buffers, see :func:`functional_opt.flat`)
-    are used through that buffer: the moments when donated, the gradients when the updates are
-    donated too (they then take the update), the params always (only read). Other leaves are
-    stacked into new buffers, so every case runs the same kernel on the same values (the same
-    bits); the update goes into the params' stacked copy once their norms are taken, when the
-    kernel has no other use for it (one fresh buffer instead of two: fresh multi-MB buffers
-    cost page faults on every step)."""
+    returns, or params and gradients a training loop keeps flat) are used through that buffer:
+    the moments when donated, the gradients when the updates are donated too (they then take
+    the update), the params always (only read). Other leaves are stacked into new buffers, so
+    every case runs the same kernel on the same values (the same bits); the update goes into
+    the params' stacked copy once their norms are taken, when the kernel has no other use for
+    it (one fresh buffer instead of two: fresh multi-MB buffers cost page faults on every
+    step)."""
     g, p, nu_old, mu_old, decay = c.g, c.p, c.nu_old, c.mu_old, c.decay
     rows, shape = len(idx), g[idx[0]].shape
     grad_leaves = [g[i] for i in idx]
