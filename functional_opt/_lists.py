@@ -52,10 +52,13 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
         # tracing).
         batched = torch._C._functorch.is_batchedtensor
         return not any(isinstance(x, Tensor) and batched(x) for x in (*xs, *scalars))
-    if any(isinstance(s, Tensor) and _is_wrapped(s) for s in scalars):
+    # Only inside a functorch transform can a tensor be wrapped by a live level (a wrapper that
+    # escaped its transform acts as a plain tensor), so outside one there is nothing to check.
+    transformed = torch._C._functorch.peek_interpreter_stack() is not None
+    if transformed and any(isinstance(s, Tensor) and _is_wrapped(s) for s in scalars):
         return False
     types = set(map(type, xs))  # C-level loops: lists of thousands of leaves are common
-    if types <= _PLAIN and not any(map(_is_wrapped, xs)):
+    if types <= _PLAIN and not (transformed and any(map(_is_wrapped, xs))):
         return True
     dtensor = dtensor_type()
     return dtensor is not None and types == {dtensor}

@@ -457,17 +457,22 @@ def _kernel_routes(
         return set(), []
     # Grouped by everything that qualifies a leaf but contiguity, with C-level attribute
     # loops (trees of thousands of small leaves are common), then checked per group.
-    leaf = list(zip(map(type, g), map(_SHAPE, g), map(_DTYPE, g), map(_DEVICE, g), strict=True))
-    keys = list(zip(leaf, map(_DTYPE, nu), map(_DEVICE, nu), map(_DTYPE, mu), strict=True))
+    columns = [
+        list(map(get, xs))
+        for get, xs in (
+            (type, g), (_SHAPE, g), (_DTYPE, g), (_DEVICE, g), (_DTYPE, nu), (_DEVICE, nu),
+            (_DTYPE, mu),
+        )
+    ]  # fmt: skip
     groups: dict[tuple[Any, ...], list[int]] = {}
-    if len(set(keys)) == 1:
-        groups[keys[0]] = list(range(len(keys)))
+    if all(len(set(column)) == 1 for column in columns):  # the common case: one group
+        groups[tuple(column[0] for column in columns)] = list(range(len(g)))
     else:
-        for i, key in enumerate(keys):
+        for i, key in enumerate(zip(*columns, strict=True)):
             groups.setdefault(key, []).append(i)
     big: set[int] = set()
     runs: list[list[int]] = []
-    for ((kind, shape, dtype, device), nu_dtype, nu_device, mu_dtype), idx in groups.items():
+    for (kind, shape, dtype, device, nu_dtype, nu_device, mu_dtype), idx in groups.items():
         if kind is not Tensor or mu_dtype != nu_dtype or nu_device != device:
             continue
         if dtype != nu_dtype and torch.promote_types(nu_dtype, dtype) != nu_dtype:

@@ -492,3 +492,22 @@ def test_compiled_vmap_of_dreamerv3_matches_eager_vmap() -> None:
         assert_trees_close(state_compiled, state_eager)
         assert bool(_nonzero_per_member(updates).all())
         params = fo.apply_updates(params, updates)
+
+
+def test_a_tensor_that_escaped_its_transform_is_a_plain_tensor_outside() -> None:
+    # Outside every functorch transform the multi-tensor path skips the per-tensor wrapping
+    # check: a wrapper that escaped its transform (here from grad) must act as a plain tensor.
+    escaped: list[Tensor] = []
+
+    def loss(x: Tensor) -> Tensor:
+        escaped.append(x * 2)
+        return (x * 2).sum()
+
+    grad(loss)(torch.ones(3))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(escaped[0])
+    tx = fo.adam(1e-2)
+    params = {"w": torch.ones(3)}
+    state = tx.init(params)
+    got, _ = tx.update({"w": escaped[0]}, state, params)
+    want, _ = tx.update({"w": torch.full((3,), 2.0)}, state, params)
+    assert torch.equal(got["w"], want["w"])
