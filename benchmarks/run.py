@@ -258,7 +258,8 @@ SKIP = {
     ("ours: compiled step (update + apply), donated", "W2"),
 }
 """(method, workload) pairs not run: compiling an update over 2000 separate tensors takes
-minutes, which no user would pay."""
+minutes (one compile of the donated update had not finished after 20), which no user would
+pay."""
 
 
 def bench(
