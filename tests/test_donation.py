@@ -203,3 +203,17 @@ def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
             torch.testing.assert_close(a, c, rtol=tol, atol=tol * float(c.abs().max()))
         params = fo.apply_updates(params, u_chain, donate=True)  # still the rows of flat_p
         assert all(p._base is flat_p for p in params)
+
+
+def test_dreamerv3_leaves_flat_gradients_that_autograd_tracks() -> None:
+    # rows of a buffer autograd tracks cannot take the update in place: they are stacked as
+    # separate gradients are, and the buffer keeps its values
+    tx = fo.dreamerv3(1e-2, warmup=0)
+    params = list(torch.randn(6, 40).unbind(0))
+    flat_g = torch.randn(6, 40, requires_grad=True)
+    grads = list(flat_g.unbind(0))
+    kept = flat_g.detach().clone()
+    updates, _ = tx.update(grads, tx.init(params), params, donate=True)
+    want, _ = tx.update([g.detach().clone() for g in grads], tx.init(params), params)
+    assert torch.equal(flat_g.detach(), kept)
+    assert all(_same(a.detach(), b) for a, b in zip(updates, want, strict=True))
