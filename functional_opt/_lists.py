@@ -64,6 +64,12 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
     return dtensor is not None and types == {dtensor}
 
 
+def tracked(*lists: Sequence[Tensor]) -> bool:
+    """Whether any tensor of ``lists`` requires grad (autograd records ops on it in grad
+    mode)."""
+    return any(any(column(xs, "requires_grad")) for xs in lists)
+
+
 def column(xs: Sequence[Any], attr: str) -> list[Any]:
     """``[getattr(x, attr) for x in xs]``: a C-level loop in eager mode (trees of thousands of
     leaves are common), a plain one under ``torch.compile`` (which cannot trace

@@ -249,7 +249,7 @@ def _in_place_ok(xs: list[Tensor], us: list[Tensor]) -> bool:
         return False
     if len({id(x) for x in xs}) != len(xs):
         return False  # a param twice in the tree: each sum must see the old value
-    if torch.is_grad_enabled() and any(_lists.column([*xs, *us], "requires_grad")):
+    if torch.is_grad_enabled() and _lists.tracked(xs, us):
         return False  # autograd may need the old values, and leaves refuse in-place ops
     if _lists.column(xs, "shape") != _lists.column(us, "shape"):
         return False

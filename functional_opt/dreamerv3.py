@@ -209,7 +209,7 @@ def _fused_update(
     donate_updates: bool = False,
 ) -> tuple[Updates, OptState] | None:
     """The chain's update in fewer passes and allocations, for multi-tensor-ready lists in eager
-    mode (``None``: not applicable, run the chain).
+    mode that autograd does not record (``None``: not applicable, run the chain).
 
     Large leaves (``KERNEL_MIN``) go through one compiled single-pass kernel each, and runs of
     at least ``RUN_MIN`` smaller leaves of one shape through one call per run
@@ -228,16 +228,17 @@ def _fused_update(
     nu_old = at.take(rms_state.nu, "state.nu")
     if not (_lists.use_foreach(g, *h) and _lists.use_foreach(p) and _lists.use_foreach(nu_old)):
         return None
+    mu_old: list[Tensor] = at.take(state[2].ema, "state.ema") if h.momentum else []
+    if torch.is_grad_enabled() and _lists.tracked(g, p, nu_old, mu_old):
+        return None  # differentiated through: the chain, whose ops autograd can record
     count = safe_increment(rms_state.count)
     sched_state: ScaleByScheduleState = state[-1]
     lr_step = -1.0 * torch.as_tensor(h.schedule(sched_state.count))
     new_state = list(state)
     new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
-    mu_old: list[Tensor] = []
     ema_count = count
     if h.momentum:
         ema_state: EmaState = state[2]
-        mu_old = at.take(ema_state.ema, "state.ema")
         ema_count = safe_increment(ema_state.count)
     big, runs = _kernel_routes(h, g, nu_old, mu_old)
     routed = big.union(*runs)
@@ -351,9 +352,8 @@ def _run_update(c: _KernelStep, h: _Hyper, idx: list[int]) -> None:
     rows, shape = len(idx), g[idx[0]].shape
     grad_leaves = [g[i] for i in idx]
     grads = None
-    if c.donate_updates and _writable(grad_leaves[0]):  # one dtype; requires_grad below
-        tracked = torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, grad_leaves))
-        grads = None if tracked else _stacked_rows(grad_leaves)
+    if c.donate_updates and _writable(grad_leaves[0]):  # (one dtype, and nothing is tracked)
+        grads = _stacked_rows(grad_leaves)
     grads_kept = grads is not None
     moments = []
     in_place = []
@@ -494,7 +494,6 @@ _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _BASE = operator.attrgetter("_base")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _stacked_rows(xs: list[Tensor]) -> Tensor | None:
