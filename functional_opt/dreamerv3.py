@@ -115,7 +115,7 @@ def dreamerv3(
 
     In eager mode on multi-tensor-ready lists the update runs as one fused function (the chain's
     ops, fewer passes and allocations, same result); elsewhere (``torch.compile``, ``vmap``, a
-    ``weight_decay_mask``) it runs the chain itself.
+    ``weight_decay_mask``, an update autograd records) it runs the chain itself.
     """
     _validate.non_negative("lr", lr)
     _validate.non_negative("agc", agc)
