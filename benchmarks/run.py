@@ -137,6 +137,22 @@ def ours_functional(
     return step
 
 
+def ours_packed(params: list[torch.nn.Parameter]) -> Step:
+    """``tx.update`` then ``apply_updates``, both donated, over packed trees
+    (``functional_opt.pack``: params, gradients and moments in one flat buffer per dtype, as a
+    ``torch.func.grad`` of packed params returns them)."""
+    tx = fo.dreamerv3(lr=1e-4, warmup=0)
+    holder = {"p": fo.pack([p.detach() for p in params])}
+    grads = fo.pack([p.grad for p in params])
+    holder["s"] = tx.init(holder["p"])
+
+    def step() -> None:
+        u, holder["s"] = tx.update(grads, holder["s"], holder["p"], donate=True)
+        holder["p"] = fo.apply_updates(holder["p"], u, donate=True)
+
+    return step
+
+
 def ours_compiled_step(params: list[torch.nn.Parameter]) -> Step:
     """Update and ``apply_updates`` compiled together, both donated (what compiling a whole
     training step gives: inductor adds the update to the params in the update's own pass)."""
@@ -205,6 +221,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "optax DreamerV3 chain (jit)": optax_dreamer,
     "ours: functional eager": ours_functional,
     "ours: functional eager, donated": lambda ps: ours_functional(ps, donate=True),
+    "ours: functional eager, donated, packed trees": ours_packed,
     "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
     "ours: functional compiled, donated": lambda ps: ours_functional(ps, True, True),
     "ours: compiled step (update + apply), donated": ours_compiled_step,

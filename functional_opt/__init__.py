@@ -4,7 +4,7 @@ A transform is ``init(params) -> state`` and ``update(updates, state, params=Non
 (updates, state)`` over pytrees of tensors; ``apply_updates(params, updates)`` adds the updates.
 """
 
-from functional_opt import loss_scale, metrics, schedules, tree
+from functional_opt import loss_scale, metrics, packed, schedules, tree
 from functional_opt.aliases import adam, adamw, sgd
 from functional_opt.base import (
     EmptyState,
@@ -18,6 +18,7 @@ from functional_opt.base import (
 from functional_opt.checkpoint import state_from_dict, state_to_dict
 from functional_opt.dreamerv3 import dreamerv3, dreamerv3_schedule
 from functional_opt.metrics import dreamerv3_metrics
+from functional_opt.packed import Packed, pack
 from functional_opt.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -65,6 +66,7 @@ __all__ = [
     "MaskedState",
     "MultiSteps",
     "MultiStepsState",
+    "Packed",
     "PartitionState",
     "ScaleByAdamState",
     "ScaleByRmsState",
@@ -96,6 +98,8 @@ __all__ = [
     "metrics",
     "multi_steps",
     "named_chain",
+    "pack",
+    "packed",
     "partition",
     "safe_increment",
     "scale",

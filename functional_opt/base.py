@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
+from functional_opt.packed import Packed
 from functional_opt.tree import PyTree
 
 __all__ = [
@@ -197,6 +198,10 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     """
     if not isinstance(donate, bool):
         raise TypeError(f"donate= must be a Python bool, got {donate!r}")
+    if isinstance(params, Packed) and isinstance(updates, Packed):
+        packed = _apply_packed(params, updates, donate)
+        if packed is not None:
+            return packed
     pvals, spec = tree.flatten(params)
     where = tree.Leaves(pvals, spec, params, "params")
     uvals = where.flat(updates, "updates")
@@ -215,6 +220,20 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     for i, v in zip(idx, new, strict=True):
         out[i] = v
     return tree.unflatten(spec, out)
+
+
+def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | None:
+    """``apply_updates`` over the buffers of two packed trees of one layout (one add per
+    buffer instead of one per leaf), or ``None`` when one of them is loose or the layouts
+    differ. Elementwise the same adds as leaf by leaf."""
+    p, u = params.buffers, updates.buffers
+    if p is None or u is None or params.layout != updates.layout or torch.compiler.is_compiling():
+        return None
+    ps, us = list(p), list(u)
+    if donate and _in_place_ok(ps, us):
+        _add_in_place(ps, us)
+        return params
+    return Packed(params.layout, buffers=_lists.like(_lists.add(ps, us), ps))
 
 
 _NARROW = frozenset((torch.bfloat16, torch.float16))

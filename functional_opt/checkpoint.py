@@ -8,6 +8,7 @@ import optree
 from torch import Tensor
 
 from functional_opt import tree
+from functional_opt.packed import Packed
 from functional_opt.tree import PyTree
 
 __all__ = ["state_from_dict", "state_paths", "state_to_dict"]
@@ -27,7 +28,12 @@ def _entry_name(entry: Any) -> str:
 def state_paths(state: PyTree) -> list[str]:
     """Dotted names of the leaves of ``state`` (``None`` leaves included), e.g. ``1.nu.w``."""
     accessors = optree.tree_accessors(state, none_is_leaf=True, namespace=tree.NAMESPACE)
-    return [".".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors]
+    # A packed tree's node adds no name: its leaves are named as in the unpacked tree (the
+    # checkpoints of packed and unpacked states are interchangeable).
+    return [
+        ".".join(_entry_name(e) for e in acc if getattr(e, "type", None) is not Packed) or "<root>"
+        for acc in accessors
+    ]
 
 
 def state_to_dict(state: PyTree) -> dict[str, Tensor]:

@@ -1,0 +1,253 @@
+"""Packed trees: a pytree whose tensors are views into a few contiguous buffers.
+
+``pack(tree)`` copies the tensors of ``tree`` into one flat buffer per (device, dtype), in leaf
+order, and returns a :class:`Packed`: a pytree node whose only child is ``tree`` rebuilt from
+views of those buffers. Transforms see the same per-tensor leaves as for ``tree`` (per-tensor
+norms, masks and state paths are unchanged) and their per-parameter states are packed trees of
+the same layout, while the fast paths (``dreamerv3``'s update, ``apply_updates``) run over the
+buffers when every tree they get is packed with one layout: a tree of 2000 small tensors then
+costs about what one tensor of the same size costs, as the adapter's flat buffers do.
+
+For ``torch.func`` (whose pytrees are ``torch.utils._pytree``'s) a ``Packed`` is a node whose
+children are its buffers, so ``torch.func.grad(loss)(packed_params)`` differentiates with respect
+to the buffers and returns the gradients packed with the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import Tensor
+
+from functional_opt import tree
+from functional_opt.tree import PyTree
+
+__all__ = ["ALIGN", "Layout", "Packed", "pack"]
+
+
+class Layout:
+    """Where each leaf of a packed tree lives: the tree's structure, each leaf's shape, and its
+    buffer and element offset (``None`` for ``None`` leaves). Immutable; equal when all of that
+    is equal (dtypes are not part of it: a packed tree and its float32 moments share a layout)."""
+
+    __slots__ = ("_hash", "_key", "_plans", "shapes", "sizes", "slots", "spec")
+
+    def __init__(
+        self,
+        spec: optree.PyTreeSpec,
+        shapes: tuple[torch.Size | None, ...],
+        slots: tuple[tuple[int, int] | None, ...],
+        sizes: tuple[int, ...],
+    ) -> None:
+        self.spec = spec
+        self.shapes = shapes
+        self.slots = slots
+        self.sizes = sizes
+        self._key = (spec, shapes, slots, sizes)
+        self._hash = hash(self._key)
+        self._plans: dict[Any, Any] = {}  # derived routing, cached by the fast paths
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.shapes)} leaves in {len(self.sizes)} buffers of {self.sizes})"
+
+    def members(self, buffer: int) -> list[int]:
+        """The leaves stored in ``buffer``, by offset (leaf order)."""
+        return [i for i, s in enumerate(self.slots) if s is not None and s[0] == buffer]
+
+    def views(self, buffers: Sequence[Tensor]) -> list[Tensor | None]:
+        """Each leaf as a view of its buffer (``None`` leaves stay ``None``)."""
+        out: list[Tensor | None] = []
+        for shape, slot in zip(self.shapes, self.slots, strict=True):
+            if slot is None or shape is None:
+                out.append(None)
+                continue
+            b, start = slot
+            out.append(buffers[b][start : start + shape.numel()].view(shape))
+        return out
+
+
+class Packed:
+    """A pytree stored as views of one flat buffer per (device, dtype).
+
+    Made by :func:`pack` (and by transforms: their outputs for packed inputs are ``Packed``).
+    ``tree`` is the tree of views; ``buffers`` the flat buffers, or ``None`` for a packed tree a
+    generic transform rebuilt from separate tensors (``repack()`` copies those into buffers).
+    """
+
+    __slots__ = ("_buffers", "_tree", "layout")
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        buffers: Sequence[Tensor] | None = None,
+        tree: PyTree = None,
+    ) -> None:
+        if (buffers is None) == (tree is None):
+            raise ValueError("Packed takes exactly one of buffers= and tree=")
+        self.layout = layout
+        self._buffers = None if buffers is None else tuple(buffers)
+        if self._buffers is not None:
+            if len(self._buffers) != len(layout.sizes):
+                raise ValueError(
+                    f"the layout has {len(layout.sizes)} buffers, got {len(self._buffers)}"
+                )
+            for i, (b, n) in enumerate(zip(self._buffers, layout.sizes, strict=True)):
+                if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != n:
+                    got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
+                    raise ValueError(f"buffer {i} must be a 1-d tensor of {n} elements, got {got}")
+        self._tree = tree
+
+    @property
+    def buffers(self) -> tuple[Tensor, ...] | None:
+        """The flat buffers (one per device and dtype, in order of first use), or ``None``."""
+        return self._buffers
+
+    @property
+    def tree(self) -> PyTree:
+        """The packed tree: its leaves are views of the buffers (built once, then reused)."""
+        if self._tree is None:
+            assert self._buffers is not None
+            self._tree = tree.unflatten(self.layout.spec, self.layout.views(self._buffers))
+        return self._tree
+
+    def repack(self) -> Packed | None:
+        """``self`` if its leaves are in buffers; else a copy whose leaves are, with the same
+        layout, or ``None`` when its leaves no longer fit it (a buffer's leaves now differ in
+        dtype or device, a leaf in shape, or a ``None`` moved)."""
+        if self._buffers is not None:
+            return self
+        values, _ = tree.flatten(self._tree)
+        groups: list[list[Tensor]] = [[] for _ in self.layout.sizes]
+        for v, shape, slot in zip(values, self.layout.shapes, self.layout.slots, strict=True):
+            if (v is None) != (slot is None):
+                return None
+            if v is None or slot is None:
+                continue
+            if not isinstance(v, Tensor) or v.shape != shape:
+                return None
+            groups[slot[0]].append(v)
+        buffers = []
+        for b, members in enumerate(groups):
+            first = members[0]
+            if any(x.dtype != first.dtype or x.device != first.device for x in members):
+                return None
+            starts = [s[1] for s in self.layout.slots if s is not None and s[0] == b]
+            buffers.append(_joined(members, starts))
+        return Packed(self.layout, buffers=buffers)
+
+    def __repr__(self) -> str:
+        where = "loose" if self._buffers is None else ", ".join(_describe(b) for b in self._buffers)
+        return f"Packed({len(self.layout.shapes)} leaves; {where})"
+
+
+def _describe(b: Tensor) -> str:
+    return f"{b.numel()} x {str(b.dtype).removeprefix('torch.')} on {b.device}"
+
+
+ALIGN = 16
+"""A leaf of at least this many elements starts at a multiple of it in its buffer (at least 16
+bytes: compiled kernels copy a misaligned input before using it), unless it continues a run of
+leaves of its size (runs stay dense, so that kernels can take them as the rows of a matrix)."""
+
+
+def _joined(members: list[Tensor], starts: list[int]) -> Tensor:
+    """``members`` flattened into one buffer, each at its start (zeros in the gaps): one
+    ``torch.cat``, which autograd and ``torch.func`` transforms follow."""
+    pieces: list[Tensor] = []
+    end = 0
+    for x, start in zip(members, starts, strict=True):
+        if start > end:
+            pieces.append(x.new_zeros(start - end))
+        pieces.append(x.reshape(-1))
+        end = start + x.numel()
+    return torch.cat(pieces)
+
+
+def pack(values: PyTree) -> Packed:
+    """``values`` copied into one flat buffer per (device, dtype), as a :class:`Packed`.
+
+    Leaves are tensors or ``None``; a buffer holds its leaves in leaf order, each large one
+    aligned (:data:`ALIGN`). The copy is a ``torch.cat``, so autograd tracks it like any op (pack
+    detached tensors to get trainable buffers)."""
+    leaves, spec = tree.flatten(values)
+    keys: dict[tuple[torch.device, torch.dtype], int] = {}
+    members: list[list[Tensor]] = []
+    starts: list[list[int]] = []
+    sizes: list[int] = []
+    last: list[int] = []  # per buffer: the size of its last leaf
+    shapes: list[torch.Size | None] = []
+    slots: list[tuple[int, int] | None] = []
+    for i, v in enumerate(leaves):
+        if v is None:
+            shapes.append(None)
+            slots.append(None)
+            continue
+        if not isinstance(v, Tensor):
+            path = optree.tree_paths(values, none_is_leaf=True, namespace=tree.NAMESPACE)[i]
+            raise TypeError(
+                f"pack: the leaf at {tree.path_str(path)} is a {type(v).__name__}, not a tensor"
+            )
+        b = keys.setdefault((v.device, v.dtype), len(keys))
+        if b == len(members):
+            members.append([])
+            starts.append([])
+            sizes.append(0)
+            last.append(-1)
+        n = v.numel()
+        if n >= ALIGN and n != last[b]:
+            sizes[b] += -sizes[b] % ALIGN
+        shapes.append(v.shape)
+        slots.append((b, sizes[b]))
+        members[b].append(v)
+        starts[b].append(sizes[b])
+        sizes[b] += n
+        last[b] = n
+    layout = Layout(spec, tuple(shapes), tuple(slots), tuple(sizes))
+    return Packed(layout, buffers=[_joined(m, s) for m, s in zip(members, starts, strict=True)])
+
+
+def _optree_flatten(p: Packed) -> tuple[tuple[PyTree], Layout, tuple[str]]:
+    return (p.tree,), p.layout, ("tree",)
+
+
+def _optree_unflatten(layout: Layout, children: Sequence[PyTree]) -> Packed:
+    return Packed(layout, tree=children[0])
+
+
+def _torch_flatten(p: Packed) -> tuple[list[Tensor], Layout]:
+    packed = p.repack() or pack(p.tree)
+    assert packed.buffers is not None
+    return list(packed.buffers), packed.layout
+
+
+def _torch_unflatten(buffers: Sequence[Tensor], layout: Layout) -> Packed:
+    return Packed(layout, buffers=list(buffers))
+
+
+optree.register_pytree_node(
+    Packed,  # type: ignore[arg-type]
+    _optree_flatten,  # type: ignore[arg-type]
+    _optree_unflatten,  # type: ignore[arg-type]
+    namespace=tree.NAMESPACE,
+)
+torch_pytree.register_pytree_node(
+    Packed,
+    _torch_flatten,  # type: ignore[arg-type]
+    _torch_unflatten,  # type: ignore[arg-type]
+    serialized_type_name="functional_opt.packed.Packed",
+)
