@@ -225,15 +225,18 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
 def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | None:
     """``apply_updates`` over the buffers of two packed trees of one layout (one add per
     buffer instead of one per leaf), or ``None`` when one of them is loose or the layouts
-    differ. Elementwise the same adds as leaf by leaf."""
-    p, u = params.buffers, updates.buffers
-    if p is None or u is None or params.layout != updates.layout or torch.compiler.is_compiling():
+    differ (e.g. bfloat16 and float32 params in two buffers, their float32 updates in one).
+    Elementwise the same adds as leaf by leaf."""
+    p, u, layout = params.buffers, updates.buffers, params.layout
+    if p is None or u is None or layout is None or layout != updates.layout:
+        return None
+    if torch.compiler.is_compiling():
         return None
     ps, us = list(p), list(u)
     if donate and _in_place_ok(ps, us):
         _add_in_place(ps, us)
         return params
-    return Packed(params.layout, buffers=_lists.like(_lists.add(ps, us), ps))
+    return Packed(layout, buffers=_lists.like(_lists.add(ps, us), ps))
 
 
 _NARROW = frozenset((torch.bfloat16, torch.float16))

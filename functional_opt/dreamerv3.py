@@ -368,19 +368,23 @@ def _packed_update(
     rms_state: ScaleByRmsWithCountState = state[1]
     ema_state: EmaState = state[2]
     layout = updates.layout
-    trees = (updates, params, rms_state.nu, ema_state.ema)
-    if not all(isinstance(t, Packed) and t.layout == layout for t in trees):
+    if layout is None or updates.buffers is None:
         return None
-    if updates.buffers is None or any(g.element_size() < 4 for g in updates.buffers):
+    if any(g.element_size() < 4 for g in updates.buffers):
         return None  # (16-bit updates are fresh buffers: see ``_writable``)
+    trees = (updates, params, rms_state.nu, ema_state.ema)
+    if not all(isinstance(t, Packed) and t.structure == layout.structure for t in trees):
+        return None
     buffers: list[list[Tensor]] = []
     owned: list[bool] = []  # a fresh copy of a loose tree: ours to write
     for t in trees:
         packed = t.repack()  # type: ignore[union-attr]
-        if packed is None or packed.buffers is None:
+        if packed.layout != layout or packed.buffers is None:
             return None
         buffers.append(list(packed.buffers))
         owned.append(packed is not t)
+        if t is rms_state.nu:  # the state's layout object persists from step to step, and
+            layout = packed.layout  # with it the routing cached on it (``_plans``)
     flat = [b for bs in buffers for b in bs]
     if len(set(map(id, flat))) != len(flat) or not _lists.use_foreach(flat, *h):
         return None

@@ -26,35 +26,28 @@ from torch import Tensor
 from functional_opt import tree
 from functional_opt.tree import PyTree
 
-__all__ = ["ALIGN", "Layout", "Packed", "pack"]
+__all__ = ["ALIGN", "Layout", "Packed", "Structure", "pack"]
 
 
-class Layout:
-    """Where each leaf of a packed tree lives: the tree's structure, each leaf's shape, and its
-    buffer and element offset (``None`` for ``None`` leaves). Immutable; equal when all of that
-    is equal (dtypes are not part of it: a packed tree and its float32 moments share a layout)."""
+class Structure:
+    """The tree structure of a packed tree: its pytree spec and each leaf's shape (``None`` for
+    ``None`` leaves). What optree compares: two packed trees of one structure match leaf for
+    leaf whatever their dtypes and buffers."""
 
-    __slots__ = ("_hash", "_key", "_plans", "shapes", "sizes", "slots", "spec")
+    __slots__ = ("_hash", "_key", "shapes", "spec", "template")
 
-    def __init__(
-        self,
-        spec: optree.PyTreeSpec,
-        shapes: tuple[torch.Size | None, ...],
-        slots: tuple[tuple[int, int] | None, ...],
-        sizes: tuple[int, ...],
-    ) -> None:
+    def __init__(self, spec: optree.PyTreeSpec, shapes: tuple[torch.Size | None, ...]) -> None:
         self.spec = spec
         self.shapes = shapes
-        self.slots = slots
-        self.sizes = sizes
-        self._key = (spec, shapes, slots, sizes)
+        self.template = tree.unflatten(spec, [None] * len(shapes))  # rebuilt under compile
+        # compared as plain Python values (torch.compile cannot trace a spec's comparison)
+        self._key = (hash(spec), str(spec), shapes)
         self._hash = hash(self._key)
-        self._plans: dict[Any, Any] = {}  # derived routing, cached by the fast paths
 
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        if not isinstance(other, Layout):
+        if not isinstance(other, Structure):
             return NotImplemented
         return self._hash == other._hash and self._key == other._key
 
@@ -62,7 +55,60 @@ class Layout:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Layout({len(self.shapes)} leaves in {len(self.sizes)} buffers of {self.sizes})"
+        return f"Structure({len(self.shapes)} leaves)"
+
+    def rebuild(self, values: Sequence[Any]) -> PyTree:
+        """The tree with ``values`` as its leaves."""
+        if torch.compiler.is_compiling():  # (dynamo's optree cannot take a spec made outside)
+            it = iter(values)
+            return optree.tree_map(
+                lambda _: next(it), self.template, none_is_leaf=True, namespace=tree.NAMESPACE
+            )
+        return tree.unflatten(self.spec, values)
+
+
+class Layout:
+    """Where each leaf of a packed tree lives: its :class:`Structure`, and per leaf its buffer and
+    element offset (``None`` for ``None`` leaves), with each buffer's size. Immutable; equal when
+    all of that is equal (dtypes are not part of it: float32 params and their float32 moments
+    share a layout)."""
+
+    __slots__ = ("_hash", "_plans", "sizes", "slots", "structure")
+
+    def __init__(
+        self,
+        structure: Structure,
+        slots: tuple[tuple[int, int] | None, ...],
+        sizes: tuple[int, ...],
+    ) -> None:
+        self.structure = structure
+        self.slots = slots
+        self.sizes = sizes
+        self._hash = hash((structure, slots, sizes))
+        self._plans: dict[Any, Any] = {}  # derived routing, cached by the fast paths
+
+    @property
+    def shapes(self) -> tuple[torch.Size | None, ...]:
+        """Each leaf's shape (``None`` for ``None`` leaves)."""
+        return self.structure.shapes
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.sizes == other.sizes
+            and self.slots == other.slots
+            and self.structure == other.structure
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.slots)} leaves in {len(self.sizes)} buffers of {self.sizes})"
 
     def members(self, buffer: int) -> list[int]:
         """The leaves stored in ``buffer``, by offset (leaf order)."""
@@ -83,23 +129,33 @@ class Layout:
 class Packed:
     """A pytree stored as views of one flat buffer per (device, dtype).
 
-    Made by :func:`pack` (and by transforms: their outputs for packed inputs are ``Packed``).
-    ``tree`` is the tree of views; ``buffers`` the flat buffers, or ``None`` for a packed tree a
-    generic transform rebuilt from separate tensors (``repack()`` copies those into buffers).
+    Made by :func:`pack`, and by transforms (their outputs for packed inputs are ``Packed``).
+    ``tree`` is the tree of tensors. A packed tree made from buffers has a ``layout`` and its
+    ``buffers``; one a generic transform rebuilt from separate tensors is *loose* (both
+    ``None``) until ``repack()`` copies it into buffers.
     """
 
-    __slots__ = ("_buffers", "_tree", "layout")
+    __slots__ = ("_buffers", "_tree", "layout", "structure")
 
     def __init__(
         self,
-        layout: Layout,
+        layout: Layout | Structure,
         *,
         buffers: Sequence[Tensor] | None = None,
         tree: PyTree = None,
     ) -> None:
         if (buffers is None) == (tree is None):
-            raise ValueError("Packed takes exactly one of buffers= and tree=")
+            raise ValueError("Packed takes exactly one of buffers= (with a Layout) and tree=")
+        self._tree = tree
+        if isinstance(layout, Structure):
+            if buffers is not None:
+                raise ValueError("Packed with buffers= needs a Layout, not a Structure")
+            self.layout: Layout | None = None
+            self.structure = layout
+            self._buffers: tuple[Tensor, ...] | None = None
+            return
         self.layout = layout
+        self.structure = layout.structure
         self._buffers = None if buffers is None else tuple(buffers)
         if self._buffers is not None:
             if len(self._buffers) != len(layout.sizes):
@@ -110,7 +166,6 @@ class Packed:
                 if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != n:
                     got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
                     raise ValueError(f"buffer {i} must be a 1-d tensor of {n} elements, got {got}")
-        self._tree = tree
 
     @property
     def buffers(self) -> tuple[Tensor, ...] | None:
@@ -119,40 +174,19 @@ class Packed:
 
     @property
     def tree(self) -> PyTree:
-        """The packed tree: its leaves are views of the buffers (built once, then reused)."""
+        """The tree: for a packed one its leaves are views of the buffers (built once)."""
         if self._tree is None:
-            assert self._buffers is not None
-            self._tree = tree.unflatten(self.layout.spec, self.layout.views(self._buffers))
+            assert self._buffers is not None and self.layout is not None
+            self._tree = self.structure.rebuild(self.layout.views(self._buffers))
         return self._tree
 
-    def repack(self) -> Packed | None:
-        """``self`` if its leaves are in buffers; else a copy whose leaves are, with the same
-        layout, or ``None`` when its leaves no longer fit it (a buffer's leaves now differ in
-        dtype or device, a leaf in shape, or a ``None`` moved)."""
-        if self._buffers is not None:
-            return self
-        values, _ = tree.flatten(self._tree)
-        groups: list[list[Tensor]] = [[] for _ in self.layout.sizes]
-        for v, shape, slot in zip(values, self.layout.shapes, self.layout.slots, strict=True):
-            if (v is None) != (slot is None):
-                return None
-            if v is None or slot is None:
-                continue
-            if not isinstance(v, Tensor) or v.shape != shape:
-                return None
-            groups[slot[0]].append(v)
-        buffers = []
-        for b, members in enumerate(groups):
-            first = members[0]
-            if any(x.dtype != first.dtype or x.device != first.device for x in members):
-                return None
-            starts = [s[1] for s in self.layout.slots if s is not None and s[0] == b]
-            buffers.append(_joined(members, starts))
-        return Packed(self.layout, buffers=buffers)
+    def repack(self) -> Packed:
+        """``self`` if its leaves are in buffers, else ``pack(self.tree)``."""
+        return self if self._buffers is not None else pack(self._tree)
 
     def __repr__(self) -> str:
         where = "loose" if self._buffers is None else ", ".join(_describe(b) for b in self._buffers)
-        return f"Packed({len(self.layout.shapes)} leaves; {where})"
+        return f"Packed({len(self.structure.shapes)} leaves; {where})"
 
 
 def _describe(b: Tensor) -> str:
@@ -217,21 +251,21 @@ def pack(values: PyTree) -> Packed:
         starts[b].append(sizes[b])
         sizes[b] += n
         last[b] = n
-    layout = Layout(spec, tuple(shapes), tuple(slots), tuple(sizes))
+    layout = Layout(Structure(spec, tuple(shapes)), tuple(slots), tuple(sizes))
     return Packed(layout, buffers=[_joined(m, s) for m, s in zip(members, starts, strict=True)])
 
 
-def _optree_flatten(p: Packed) -> tuple[tuple[PyTree], Layout, tuple[str]]:
-    return (p.tree,), p.layout, ("tree",)
+def _optree_flatten(p: Packed) -> tuple[tuple[PyTree], Structure, tuple[str]]:
+    return (p.tree,), p.structure, ("tree",)
 
 
-def _optree_unflatten(layout: Layout, children: Sequence[PyTree]) -> Packed:
-    return Packed(layout, tree=children[0])
+def _optree_unflatten(structure: Structure, children: Sequence[PyTree]) -> Packed:
+    return Packed(structure, tree=children[0])
 
 
 def _torch_flatten(p: Packed) -> tuple[list[Tensor], Layout]:
-    packed = p.repack() or pack(p.tree)
-    assert packed.buffers is not None
+    packed = p.repack()
+    assert packed.buffers is not None and packed.layout is not None
     return list(packed.buffers), packed.layout
 
 
