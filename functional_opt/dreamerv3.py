@@ -358,18 +358,22 @@ def _packed_update(
     The same kernels and norms as the per-leaf path, on views of the buffers, so a tree of
     thousands of small leaves costs no per-leaf Python. The moments are updated in place when
     donated and the update written into the gradients' buffers when they are donated too;
-    otherwise into copies (the same arithmetic either way). Params and moments in loose packed
-    trees (rebuilt from separate tensors by another transform) are packed first; gradients must
-    be in buffers, of at least 32 bits. Consecutive small leaves of one
+    otherwise into copies (the same arithmetic either way). Loose packed trees (rebuilt from
+    separate tensors, e.g. by a transform before this one in a chain) are copied into buffers
+    first. Gradients must be of at least 32 bits. Consecutive small leaves of one
     size form runs here, where the per-leaf path groups small leaves of one shape anywhere in
     the tree, so the two can route a leaf differently (equal to float rounding)."""
     if not (_kernel_options(h) and isinstance(updates, Packed)) or torch.compiler.is_compiling():
         return None
+    original = updates
     rms_state: ScaleByRmsWithCountState = state[1]
     ema_state: EmaState = state[2]
+    if updates.buffers is None:  # loose: copied into buffers below, unless 16-bit
+        if any(x.element_size() < 4 for x in tree.leaves(updates.tree) if x is not None):
+            return None
+        updates = updates.repack()
+    assert updates.layout is not None and updates.buffers is not None
     layout = updates.layout
-    if layout is None or updates.buffers is None:
-        return None
     if any(g.element_size() < 4 for g in updates.buffers):
         return None  # (16-bit updates are fresh buffers: see ``_writable``)
     trees = (updates, params, rms_state.nu, ema_state.ema)
@@ -398,7 +402,7 @@ def _packed_update(
             return None
         if not (g.device == p.device == nu.device == mu.device):
             return None
-    if not (donate_updates or owned[0]):
+    if not (donate_updates or updates is not original):  # (a repacked copy is ours)
         g_b = [g.clone() for g in g_b]  # the update's buffers
     if not (donate or owned[2]):
         nu_b = [nu.clone() for nu in nu_b]

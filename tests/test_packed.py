@@ -363,3 +363,43 @@ def test_compiled_step_over_packed_trees_matches_eager() -> None:
     assert isinstance(got[0], Packed)
     for a, b in zip(_tensors(got), _tensors(want), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_loose_gradients_from_an_earlier_transform_are_repacked(donate: bool) -> None:
+    # chain(clip, dreamerv3): dreamerv3 gets the clip's loose output, copies it into buffers
+    # and runs over them; the caller's gradients are never written
+    gen = torch.Generator().manual_seed(12)
+    inner = {"lr": 1e-2, "warmup": 0}
+    tx = fo.chain(fo.clip_by_global_norm(0.1), fo.dreamerv3(**inner))
+    ref = fo.chain(fo.clip_by_global_norm(0.1), fo.dreamerv3(**inner, _fused=False))
+    params = _rows(gen, torch.float32)
+    packed = fo.pack(params)
+    state, ref_state = tx.init(packed), ref.init(params)
+    for _ in range(3):
+        grads = _rows(gen, torch.float32)
+        g = fo.pack(grads)
+        kept = [x.clone() for x in _tensors(g)]
+        u, state = tx.update(g, state, packed, donate=donate)
+        u_ref, ref_state = ref.update(grads, ref_state, params)
+        assert isinstance(u, Packed) and u.buffers is not None  # the fast path
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(g), kept, strict=True))
+        for a, b in zip(_tensors(_plain((u, state))), _tensors((u_ref, ref_state)), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        packed = fo.apply_updates(packed, u, donate=donate)
+        params = fo.apply_updates(params, u_ref)
+
+
+def test_injected_hyperparameters_take_the_packed_path() -> None:
+    gen = torch.Generator().manual_seed(13)
+    tx = fo.inject_hyperparams(fo.dreamerv3)(lr=1e-2, warmup=0)
+    plain = _rows(gen, torch.float32)
+    params = fo.pack(plain)
+    grads = _rows(gen, torch.float32)
+    u, state = tx.update(fo.pack(grads), tx.init(params), params)
+    want, _ = tx.update(grads, tx.init(plain), plain)  # the per-leaf path
+    assert isinstance(u, Packed) and u.buffers is not None
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(u), _tensors(want), strict=True))
+    state.hyperparams["lr"] = torch.tensor(0.5)  # a new value: the same path, no recompile
+    u2, _ = tx.update(fo.pack(grads), state, params)
+    assert isinstance(u2, Packed) and u2.buffers is not None
