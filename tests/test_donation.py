@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import functional_opt as fo
-from functional_opt.dreamerv3 import KERNEL_MIN
+from functional_opt._dreamerv3_fused import KERNEL_MIN
 
 
 def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:

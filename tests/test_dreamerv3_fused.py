@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_opt as fo
-from functional_opt.dreamerv3 import KERNEL_MIN
+from functional_opt._dreamerv3_fused import KERNEL_MIN
 
 OPTIONS = [
     {},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_opt as fo
-from functional_opt.dreamerv3 import KERNEL_MIN, RUN_MIN
+from functional_opt._dreamerv3_fused import KERNEL_MIN, RUN_MIN
 from functional_opt.packed import ALIGN, Layout, Packed
 
 Make = Callable[[torch.Generator, torch.dtype], dict[str, Any]]

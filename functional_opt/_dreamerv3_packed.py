@@ -1,0 +1,203 @@
+"""DreamerV3's fused update over packed trees (:mod:`functional_opt.packed`): the kernels of
+:mod:`functional_opt._dreamerv3_fused` on views of the buffers, with no per-leaf Python."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from functional_opt import _kernels, _lists, tree
+from functional_opt._dreamerv3_fused import (
+    KERNEL_MIN,
+    RUN_MIN,
+    Hyper,
+    foreach_update,
+    kernel_options,
+    kernel_scalars,
+    leaf_norms,
+)
+from functional_opt.base import OptState, Params, Updates, safe_increment
+from functional_opt.packed import Layout, Packed
+from functional_opt.transforms.clipping import agc_factors, agc_factors_from_norms
+from functional_opt.transforms.moments import EmaState, ScaleByRmsWithCountState
+from functional_opt.transforms.scaling import ScaleByScheduleState
+
+
+class _Plan(NamedTuple):
+    """How one buffer of a packed layout runs: large leaves ``(start, n)`` one kernel call each,
+    runs of at least ``RUN_MIN`` consecutive small leaves of one size ``(start, rows, n)`` one
+    call per run, the other leaves (``rest``, leaf indices) through the multi-tensor ops."""
+
+    big: list[tuple[int, int]]
+    runs: list[tuple[int, int, int]]
+    rest: list[int]
+
+
+def _plans(layout: Layout) -> list[_Plan]:
+    """The :class:`_Plan` of each buffer of ``layout`` (made once per layout)."""
+    key = ("dreamerv3", KERNEL_MIN, RUN_MIN)
+    plans: list[_Plan] | None = layout._plans.get(key)
+    if plans is not None:
+        return plans
+    plans = []
+    for b in range(len(layout.sizes)):
+        plan = _Plan([], [], [])
+        run: list[int] = []
+
+        def flush(run: list[int], plan: _Plan = plan) -> None:
+            if len(run) >= RUN_MIN:
+                shape = layout.shapes[run[0]]
+                assert shape is not None and layout.slots[run[0]] is not None
+                plan.runs.append((layout.slots[run[0]][1], len(run), shape.numel()))  # type: ignore[index]
+            else:
+                plan.rest.extend(run)
+
+        for i in layout.members(b):
+            n = layout.shapes[i].numel()  # type: ignore[union-attr]
+            if n == 0:
+                continue  # nothing to update
+            if n >= KERNEL_MIN:
+                flush(run)
+                run = []
+                plan.big.append((layout.slots[i][1], n))  # type: ignore[index]
+            elif run and layout.shapes[run[0]].numel() != n:  # type: ignore[union-attr]
+                flush(run)
+                run = [i]
+            else:
+                run.append(i)
+        flush(run)
+        plans.append(plan)
+    layout._plans[key] = plans
+    return plans
+
+
+def packed_update(
+    h: Hyper,
+    updates: Updates,
+    state: OptState,
+    params: Params | None,
+    donate: bool,
+    donate_updates: bool,
+) -> tuple[Updates, OptState] | None:
+    """The fused update over the buffers of packed trees (:mod:`functional_opt.packed`):
+    gradients, params and both moments packed with one layout, in eager mode, with the
+    kernels' options (``None``: not applicable).
+
+    The same kernels and norms as the per-leaf path, on views of the buffers, so a tree of
+    thousands of small leaves costs no per-leaf Python. The moments are updated in place when
+    donated and the update written into the gradients' buffers when they are donated too;
+    otherwise into copies (the same arithmetic either way). Loose packed trees (rebuilt from
+    separate tensors, e.g. by a transform before this one in a chain) are copied into buffers
+    first. Gradients must be of at least 32 bits. Consecutive small leaves of one
+    size form runs here, where the per-leaf path groups small leaves of one shape anywhere in
+    the tree, so the two can route a leaf differently (equal to float rounding)."""
+    if not (kernel_options(h) and isinstance(updates, Packed)) or torch.compiler.is_compiling():
+        return None
+    original = updates
+    rms_state: ScaleByRmsWithCountState = state[1]
+    ema_state: EmaState = state[2]
+    if updates.buffers is None:  # loose: copied into buffers below, unless 16-bit
+        if any(x.element_size() < 4 for x in tree.leaves(updates.tree) if x is not None):
+            return None
+        updates = updates.repack()
+    assert updates.layout is not None and updates.buffers is not None
+    layout = updates.layout
+    if any(g.element_size() < 4 for g in updates.buffers):
+        return None  # (16-bit updates are fresh buffers: see ``writable``)
+    trees = (updates, params, rms_state.nu, ema_state.ema)
+    if not all(isinstance(t, Packed) and t.structure == layout.structure for t in trees):
+        return None
+    buffers: list[list[Tensor]] = []
+    owned: list[bool] = []  # a fresh copy of a loose tree: ours to write
+    for t in trees:
+        packed = t.repack()  # type: ignore[union-attr]
+        if packed.layout != layout or packed.buffers is None:
+            return None
+        buffers.append(list(packed.buffers))
+        owned.append(packed is not t)
+        if t is rms_state.nu:  # the state's layout object persists from step to step, and
+            layout = packed.layout  # with it the routing cached on it (``_plans``)
+    flat = [b for bs in buffers for b in bs]
+    if len(set(map(id, flat))) != len(flat) or not _lists.use_foreach(flat, *h):
+        return None
+    if torch.is_grad_enabled() and _lists.tracked(flat):
+        return None
+    g_b, p_b, nu_b, mu_b = buffers
+    for g, p, nu, mu in zip(g_b, p_b, nu_b, mu_b, strict=True):
+        if p.dtype != g.dtype or mu.dtype != nu.dtype:
+            return None
+        if torch.promote_types(nu.dtype, g.dtype) != nu.dtype:
+            return None
+        if not (g.device == p.device == nu.device == mu.device):
+            return None
+    if not (donate_updates or updates is not original):  # (a repacked copy is ours)
+        g_b = [g.clone() for g in g_b]  # the update's buffers
+    if not (donate or owned[2]):
+        nu_b = [nu.clone() for nu in nu_b]
+    if not (donate or owned[3]):
+        mu_b = [mu.clone() for mu in mu_b]
+    count = safe_increment(rms_state.count)
+    ema_count = safe_increment(ema_state.count)
+    sched_state: ScaleByScheduleState = state[-1]
+    lr_step = -1.0 * torch.as_tensor(h.schedule(sched_state.count))
+    step, inv_bc2, scalars, decay = kernel_scalars(h, count, ema_count, lr_step)
+    agc_off = isinstance(h.agc, (int, float)) and h.agc == 0
+    for plan, g, p, nu, mu in zip(_plans(layout), g_b, p_b, nu_b, mu_b, strict=True):
+        if plan.rest:
+            views = [_leaf_views(layout, plan.rest, x) for x in (g, p, nu, mu)]
+            gv, pv, nuv, muv = views
+            factors = None if agc_off else agc_factors(gv, pv, h.agc, h.pmin)
+            u, nu_new, mu_new = foreach_update(
+                h, gv, pv, nuv, muv, factors, count, ema_count, lr_step, donate=True
+            )
+            _copy_into(nuv + muv + gv, nu_new + mu_new + u)
+        if plan.big:
+            gv = [g[s : s + n] for s, n in plan.big]
+            pv = [p[s : s + n] for s, n in plan.big]
+            one = torch.ones((), dtype=torch.float32)  # the clip factor without clipping
+            factors_big = [one] * len(gv)
+            if not agc_off:
+                unorm, pnorm = leaf_norms(gv, pv)
+                factors_big = list(agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).unbind())
+            for (s, n), gi, pi, f in zip(plan.big, gv, pv, factors_big, strict=True):
+                args: tuple[Tensor, ...] = (gi, nu[s : s + n], mu[s : s + n], f, step, inv_bc2)
+                args = (*args, *scalars)
+                if decay is not None:
+                    args = (*args, pi, decay)
+                _kernels.call(_kernels.update_kernel_in_place, *args)
+        for s, rows, n in plan.runs:
+            gr, pr, nur, mur = (x[s : s + rows * n].view(rows, n) for x in (g, p, nu, mu))
+            factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
+            if not agc_off:
+                pnorm = torch.linalg.vector_norm(pr, dim=1, dtype=nu.dtype)
+                unorm = torch.linalg.vector_norm(gr, dim=1, dtype=nu.dtype)
+                factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
+            step_rows = step.to(nu.dtype).expand(rows, 1).contiguous()
+            args = (gr, nur, mur, factor, step_rows, inv_bc2, *scalars)
+            if decay is not None:
+                args = (*args, pr, decay.to(nu.dtype).expand(rows, 1).contiguous())
+            _kernels.call(_kernels.update_kernel_in_place, *args)
+    new_state = list(state)
+    new_state[1] = ScaleByRmsWithCountState(count, Packed(layout, buffers=nu_b))
+    new_state[2] = EmaState(ema_count, Packed(layout, buffers=mu_b))
+    new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
+    return Packed(layout, buffers=g_b), tuple(new_state)
+
+
+def _leaf_views(layout: Layout, leaves: list[int], buffer: Tensor) -> list[Tensor]:
+    """The ``leaves`` of a packed layout as views of their ``buffer``."""
+    out = []
+    for i in leaves:
+        shape, slot = layout.shapes[i], layout.slots[i]
+        assert shape is not None and slot is not None
+        out.append(buffer[slot[1] : slot[1] + shape.numel()].view(shape))
+    return out
+
+
+def _copy_into(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``t.copy_(v)`` for each pair where ``v`` is not already ``t``."""
+    pairs = [(t, v) for t, v in zip(targets, values, strict=True) if t is not v]
+    if pairs:
+        torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])  # type: ignore[misc]
