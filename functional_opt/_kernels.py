@@ -252,19 +252,38 @@ def _recorded(args: tuple[Any, ...]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
 
+OFFSET = -2
+"""In :class:`_Direct`'s inputs: the argument's storage offset (a view into a larger buffer)."""
+
+
 class _Direct(NamedTuple):
-    """How to call a compiled graph without dynamo: which argument (or which size of which
-    argument) each graph input is, and how the outputs form the function's result."""
+    """How to call a compiled graph without dynamo: which argument (or which size or storage
+    offset of which argument) each graph input is, and how the outputs form the function's
+    result."""
 
     compiled: Callable[..., Any]
-    inputs: tuple[tuple[int, int], ...]  # (argument, -1) or (argument, dimension)
+    inputs: tuple[tuple[int, int], ...]  # (argument, -1), (argument, dim) or (argument, OFFSET)
     form: int  # -1: None; 0: one tensor; k > 0: a tuple of k tensors
+    # Storage offsets dynamo gave one symbol: (where the graph input comes from, the arguments
+    # whose offsets must equal it). The graph checks sizes and strides itself, not offsets.
+    offsets: tuple[tuple[tuple[int, int], tuple[int, ...]], ...] = ()
 
     def __call__(self, args: tuple[Any, ...]) -> Any:
-        out = self.compiled(*[args[i] if d < 0 else args[i].shape[d] for i, d in self.inputs])
+        for source, same in self.offsets:
+            value = _value(args, source)
+            if any(args[i].storage_offset() != value for i in same):
+                raise AssertionError("storage offsets differ from the compiled graph's")
+        out = self.compiled(*[_value(args, source) for source in self.inputs])
         if self.form < 0:
             return None
         return out[0] if self.form == 0 else tuple(out)
+
+
+def _value(args: tuple[Any, ...], source: tuple[int, int]) -> Any:
+    i, d = source
+    if d == -1:
+        return args[i]
+    return args[i].storage_offset() if d == OFFSET else args[i].shape[d]
 
 
 class _Capture:
@@ -274,6 +293,7 @@ class _Capture:
     def __init__(self, args: tuple[Any, ...]) -> None:
         self.args: tuple[Any, ...] | None = args
         self.inputs: tuple[tuple[int, int], ...] | None = None
+        self.offsets: tuple[tuple[tuple[int, int], tuple[int, ...]], ...] = ()
         self.compiled: Callable[..., Any] | None = None
         self.outputs: Any = None
 
@@ -291,12 +311,18 @@ class _Capture:
         if len(placeholders) != len(example_inputs):
             return
         sizes: dict[Any, tuple[int, int]] = {}  # symbol -> (argument, dimension)
+        offsets: dict[Any, list[int]] = {}  # symbol -> the arguments with it as storage offset
         for node, example in zip(placeholders, example_inputs, strict=True):
             fake = node.meta.get("example_value")
             if isinstance(example, Tensor) and id(example) in where and fake is not None:
                 for d, n in enumerate(fake.shape):
                     if isinstance(n, torch.SymInt):
                         sizes.setdefault(n.node.expr, (where[id(example)], d))
+                offset = fake.storage_offset()
+                if isinstance(offset, torch.SymInt):
+                    offsets.setdefault(offset.node.expr, []).append(where[id(example)])
+        for symbol, users in offsets.items():
+            sizes.setdefault(symbol, (users[0], OFFSET))
         inputs = []
         for example in example_inputs:
             if isinstance(example, Tensor) and id(example) in where:
@@ -306,6 +332,7 @@ class _Capture:
             else:
                 return
         self.inputs = tuple(inputs)
+        self.offsets = tuple((sizes[k], tuple(users)) for k, users in offsets.items())
 
     def direct(self, result: Any) -> _Direct | None:
         if self.inputs is None or self.compiled is None or self.outputs is None:
@@ -319,7 +346,9 @@ class _Capture:
             form = len(out) if all(map(operator.is_, result, out)) else None
         else:
             form = None
-        return None if form is None else _Direct(self.compiled, self.inputs, form)
+        if form is None:
+            return None
+        return _Direct(self.compiled, self.inputs, form, self.offsets)
 
 
 def compiled(fn: Callable[..., Any], *args: Any) -> _Compiled:

@@ -173,3 +173,59 @@ def test_compiling_keeps_no_reference_to_the_first_call_tensors(fresh: None) -> 
     del args, out
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_row_views_at_storage_offsets_get_direct_calls(fresh: None) -> None:
+    # The adapter's runs are [rows, n] views at an offset into flat buffers: dynamo makes the
+    # offsets graph inputs, which direct calls read from the arguments (the graph does not check
+    # offsets, so arguments that shared one offset when compiled must share it later, or the
+    # call goes back through dynamo).
+    gen = torch.Generator().manual_seed(7)
+    fn = _kernels.apply_kernel
+
+    def views(first: int, rows: int, cols: int, shift: int = 0) -> tuple[Any, ...]:
+        flats = [torch.randn(64 * cols + shift, generator=gen) for _ in range(4)]
+        flats[2] = flats[2].abs()  # nu >= 0
+        out = []
+        for k, flat in enumerate(flats):
+            start = first * cols + (shift if k == 3 else 0)
+            out.append(flat[start : start + rows * cols].view(rows, cols))
+        factor, step, *scalars = _hyper(64)
+        return (*out, factor[first : first + rows], step[first : first + rows], *scalars)
+
+    _kernels.call(fn, *views(3, 5, 40))
+    kernel = _kernels.compiled(fn, *views(3, 5, 40))
+    assert kernel.direct is not None and kernel.direct.offsets
+    counter = _CountingDynamo(kernel)
+    kernel._dynamo = counter  # type: ignore[method-assign]
+    for first, rows, cols in ((7, 2, 40), (11, 9, 24), (2, 3, 17)):
+        args = views(first, rows, cols)
+        via_dynamo = views_like(_clone(args), args)
+        _kernels.call(fn, *args)
+        counter.inner(*via_dynamo)
+        assert counter.calls == 0
+        for a, b in zip(args, via_dynamo, strict=True):
+            assert torch.equal(a, b)
+    # mu at another offset than g, p and nu: back through dynamo, still right
+    args = views(5, 4, 40, shift=3)
+    eager = _clone(args)
+    _kernels.call(fn, *args)
+    fn(*eager)
+    assert counter.calls == 1
+    for a, b in zip(args, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def views_like(copies: tuple[Any, ...], like: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``copies`` placed at the storage offsets of ``like`` (fresh buffers, same values), so that
+    the dynamo-called graph sees the layout the direct call saw."""
+    out = []
+    for c, a in zip(copies, like, strict=True):
+        if not isinstance(c, torch.Tensor) or a.storage_offset() == 0:
+            out.append(c)
+            continue
+        base = torch.empty(a.storage_offset() + c.numel(), dtype=c.dtype)
+        view = base[a.storage_offset() :].view(c.shape)
+        view.copy_(c)
+        out.append(view)
+    return tuple(out)
