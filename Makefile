@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py --scaling
+	$(BIN)/python benchmarks/run.py --scaling --cold
 
 docs: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[docs]'

@@ -9,6 +9,7 @@ machine cannot make the spinning OpenMP threads of one method slower than anothe
     python benchmarks/run.py                 # all workloads, writes docs/performance-table.md
     python benchmarks/run.py --quick         # fewer rounds, smaller workloads
     python benchmarks/run.py --scaling       # time vs parameter count and tensor count
+    python benchmarks/run.py --cold          # W1's first step with an empty compiler cache
 """
 
 from __future__ import annotations
@@ -307,6 +308,33 @@ def bench(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+COLD = ["ours: DreamerV3Optimizer", "ours: functional eager, donated"]
+"""The methods whose first W1 step is timed with a cold compiler cache (``--cold``)."""
+
+
+def cold_first_call(name: str, workload: int = 0) -> float | None:
+    """Seconds of ``name``'s first step on ``workloads()[workload]`` in a fresh process with an
+    empty inductor cache (what a user's first run pays for compiling), or ``None`` on failure."""
+    import subprocess
+    import tempfile
+
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import run as B; "
+        "w = B.workloads(False)[int(sys.argv[3])]; "
+        "step = B.METHODS[sys.argv[2]](B.make_params(w)); "
+        "t = time.perf_counter(); step(); print(time.perf_counter() - t)"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        args = [sys.executable, "-c", code, str(Path(__file__).parent), name, str(workload)]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    try:
+        return float(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"  cold first call of {name} failed: {done.stderr[-500:]}", file=sys.stderr)
+        return None
+
+
 def scaling(rounds: int) -> str:
     """Step time vs parameter count (one tensor) and vs tensor count (4M params in all)."""
     rows = ["| params | tensors | Adam fused ms | ours ms | ratio |", "|---|---|---|---|---|"]
@@ -398,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md")
     parser.add_argument("--chart", type=Path, default=ROOT / "docs" / "performance.png")
     parser.add_argument("--scaling", action="store_true", help="also time vs size/tensor count")
+    parser.add_argument(
+        "--cold", action="store_true", help="also time W1's first step with a cold compile cache"
+    )
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
     bandwidth = copy_bandwidth()
@@ -420,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         f"\n\nMeasured streaming bandwidth {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread."
     )
+    if args.cold:
+        cold = {name: cold_first_call(name) for name in COLD}
+        text += "\n\nFirst W1 step in a fresh process with an empty compiler cache: " + ", ".join(
+            f"{name} {'failed' if t is None else f'{t:.1f} s'}" for name, t in cold.items()
+        )
     if args.scaling:
         text += "\n\n" + scaling(5 if args.quick else args.rounds)
     print(text)
