@@ -39,38 +39,38 @@ def _plans(layout: Layout) -> list[_Plan]:
     """The :class:`_Plan` of each buffer of ``layout`` (made once per layout)."""
     key = ("dreamerv3", KERNEL_MIN, RUN_MIN)
     plans: list[_Plan] | None = layout._plans.get(key)
-    if plans is not None:
-        return plans
-    plans = []
-    for b in range(len(layout.sizes)):
-        plan = _Plan([], [], [])
-        run: list[int] = []
-
-        def flush(run: list[int], plan: _Plan = plan) -> None:
-            if len(run) >= RUN_MIN:
-                shape = layout.shapes[run[0]]
-                assert shape is not None and layout.slots[run[0]] is not None
-                plan.runs.append((layout.slots[run[0]][1], len(run), shape.numel()))  # type: ignore[index]
-            else:
-                plan.rest.extend(run)
-
-        for i in layout.members(b):
-            n = layout.shapes[i].numel()  # type: ignore[union-attr]
-            if n == 0:
-                continue  # nothing to update
-            if n >= KERNEL_MIN:
-                flush(run)
-                run = []
-                plan.big.append((layout.slots[i][1], n))  # type: ignore[index]
-            elif run and layout.shapes[run[0]].numel() != n:  # type: ignore[union-attr]
-                flush(run)
-                run = [i]
-            else:
-                run.append(i)
-        flush(run)
-        plans.append(plan)
-    layout._plans[key] = plans
+    if plans is None:
+        plans = [_plan(layout, b) for b in range(len(layout.sizes))]
+        layout._plans[key] = plans
     return plans
+
+
+def _plan(layout: Layout, buffer: int) -> _Plan:
+    plan = _Plan([], [], [])
+    leaves = layout.members(buffer)
+    start = {i: slot[1] for i in leaves if (slot := layout.slots[i]) is not None}
+    numel = {i: shape.numel() for i in leaves if (shape := layout.shapes[i]) is not None}
+    run: list[int] = []  # consecutive small leaves of one size
+
+    def close(run: list[int]) -> None:
+        if len(run) >= RUN_MIN:
+            plan.runs.append((start[run[0]], len(run), numel[run[0]]))
+        else:
+            plan.rest.extend(run)
+
+    for i in leaves:
+        n = numel[i]
+        if n == 0:
+            continue  # nothing to update
+        if n >= KERNEL_MIN:
+            plan.big.append((start[i], n))
+        elif run and numel[run[0]] == n:
+            run.append(i)
+            continue
+        close(run)
+        run = [i] if n < KERNEL_MIN else []
+    close(run)
+    return plan
 
 
 def packed_update(

@@ -4,7 +4,7 @@
 order, and returns a :class:`Packed`: a pytree node whose only child is ``tree`` rebuilt from
 views of those buffers. Transforms see the same per-tensor leaves as for ``tree`` (per-tensor
 norms, masks and state paths are unchanged) and their per-parameter states are packed trees of
-the same layout, while the fast paths (``dreamerv3``'s update, ``apply_updates``) run over the
+the same structure, while the fast paths (``dreamerv3``'s update, ``apply_updates``) run over the
 buffers when every tree they get is packed with one layout: a tree of 2000 small tensors then
 costs about what one tensor of the same size costs, as the adapter's flat buffers do.
 
@@ -147,25 +147,20 @@ class Packed:
         if (buffers is None) == (tree is None):
             raise ValueError("Packed takes exactly one of buffers= (with a Layout) and tree=")
         self._tree = tree
-        if isinstance(layout, Structure):
-            if buffers is not None:
-                raise ValueError("Packed with buffers= needs a Layout, not a Structure")
-            self.layout: Layout | None = None
-            self.structure = layout
-            self._buffers: tuple[Tensor, ...] | None = None
+        self.structure = layout if isinstance(layout, Structure) else layout.structure
+        self.layout: Layout | None = None  # loose: the tree's leaves are separate tensors
+        self._buffers: tuple[Tensor, ...] | None = None
+        if buffers is None:
             return
-        self.layout = layout
-        self.structure = layout.structure
-        self._buffers = None if buffers is None else tuple(buffers)
-        if self._buffers is not None:
-            if len(self._buffers) != len(layout.sizes):
-                raise ValueError(
-                    f"the layout has {len(layout.sizes)} buffers, got {len(self._buffers)}"
-                )
-            for i, (b, n) in enumerate(zip(self._buffers, layout.sizes, strict=True)):
-                if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != n:
-                    got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
-                    raise ValueError(f"buffer {i} must be a 1-d tensor of {n} elements, got {got}")
+        if not isinstance(layout, Layout):
+            raise ValueError("Packed with buffers= needs a Layout, not a Structure")
+        self.layout, self._buffers = layout, tuple(buffers)
+        if len(self._buffers) != len(layout.sizes):
+            raise ValueError(f"the layout has {len(layout.sizes)} buffers, got {len(buffers)}")
+        for i, (b, n) in enumerate(zip(self._buffers, layout.sizes, strict=True)):
+            if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != n:
+                got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
+                raise ValueError(f"buffer {i} must be a 1-d tensor of {n} elements, got {got}")
 
     @property
     def buffers(self) -> tuple[Tensor, ...] | None:

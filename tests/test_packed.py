@@ -135,6 +135,8 @@ def test_repack_copies_loose_trees_into_buffers() -> None:
     again = loose.repack()
     assert again.layout == packed.layout and again.buffers is not None
     assert torch.equal(again.tree["x"], torch.arange(20.0) * 2)
+    from_layout = Packed(packed.layout, tree={"x": torch.ones(20), "y": torch.ones(3)})
+    assert from_layout.layout is None and from_layout.structure == packed.structure  # loose
     mixed = Packed(packed.structure, tree={"x": torch.ones(20), "y": torch.ones(3).double()})
     assert mixed.repack().layout != packed.layout  # two buffers now
     assert mixed.repack().structure == packed.structure
