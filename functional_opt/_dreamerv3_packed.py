@@ -26,11 +26,12 @@ from functional_opt.transforms.scaling import ScaleByScheduleState
 
 
 class _Plan(NamedTuple):
-    """How one buffer of a packed layout runs: large leaves ``(start, n)`` one kernel call each,
-    runs of at least ``RUN_MIN`` consecutive small leaves of one size ``(start, rows, n)`` one
-    call per run, the other leaves (``rest``, leaf indices) through the multi-tensor ops."""
+    """How one buffer of a packed layout runs: consecutive large leaves of one size
+    ``(start, rows, n)`` one kernel call per size (their norms by BLAS dot products, as for
+    separate large leaves), runs of at least ``RUN_MIN`` consecutive small leaves of one size
+    one call per run, the other leaves (``rest``, leaf indices) through the multi-tensor ops."""
 
-    big: list[tuple[int, int]]
+    big: list[tuple[int, int, int]]
     runs: list[tuple[int, int, int]]
     rest: list[int]
 
@@ -50,11 +51,16 @@ def _plan(layout: Layout, buffer: int) -> _Plan:
     leaves = layout.members(buffer)
     start = {i: slot[1] for i in leaves if (slot := layout.slots[i]) is not None}
     numel = {i: shape.numel() for i in leaves if (shape := layout.shapes[i]) is not None}
-    run: list[int] = []  # consecutive small leaves of one size
+    run: list[int] = []  # consecutive leaves of one size
 
     def close(run: list[int]) -> None:
-        if len(run) >= RUN_MIN:
-            plan.runs.append((start[run[0]], len(run), numel[run[0]]))
+        if not run:
+            return
+        rows = (start[run[0]], len(run), numel[run[0]])
+        if numel[run[0]] >= KERNEL_MIN:
+            plan.big.append(rows)
+        elif len(run) >= RUN_MIN:
+            plan.runs.append(rows)
         else:
             plan.rest.extend(run)
 
@@ -62,13 +68,11 @@ def _plan(layout: Layout, buffer: int) -> _Plan:
         n = numel[i]
         if n == 0:
             continue  # nothing to update
-        if n >= KERNEL_MIN:
-            plan.big.append((start[i], n))
-        elif run and numel[run[0]] == n:
+        if run and numel[run[0]] == n and start[run[-1]] + n == start[i]:
             run.append(i)
             continue
         close(run)
-        run = [i] if n < KERNEL_MIN else []
+        run = [i]
     close(run)
     return plan
 
@@ -154,19 +158,19 @@ def packed_update(
             )
             _copy_into(nuv + muv + gv, nu_new + mu_new + u)
         if plan.big:
-            gv = [g[s : s + n] for s, n in plan.big]
-            pv = [p[s : s + n] for s, n in plan.big]
-            one = torch.ones((), dtype=torch.float32)  # the clip factor without clipping
-            factors_big = [one] * len(gv)
+            gv = [g[s + k * n : s + (k + 1) * n] for s, rows, n in plan.big for k in range(rows)]
+            pv = [p[s + k * n : s + (k + 1) * n] for s, rows, n in plan.big for k in range(rows)]
+            big_factors = torch.ones(len(gv), dtype=torch.float32)  # no clipping
             if not agc_off:
                 unorm, pnorm = leaf_norms(gv, pv)
-                factors_big = list(agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).unbind())
-            for (s, n), gi, pi, f in zip(plan.big, gv, pv, factors_big, strict=True):
-                args: tuple[Tensor, ...] = (gi, nu[s : s + n], mu[s : s + n], f, step, inv_bc2)
-                args = (*args, *scalars)
-                if decay is not None:
-                    args = (*args, pi, decay)
-                _kernels.call(_kernels.update_kernel_in_place, *args)
+                big_factors = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin)
+            first = 0
+            for s, rows, n in plan.big:
+                _big_call(
+                    (g, p, nu, mu), s, rows, n, big_factors[first : first + rows], step, decay,
+                    (inv_bc2, *scalars),
+                )  # fmt: skip
+                first += rows
         for s, rows, n in plan.runs:
             gr, pr, nur, mur = (x[s : s + rows * n].view(rows, n) for x in (g, p, nu, mu))
             factor = torch.ones((rows, 1), dtype=nu.dtype, device=nu.device)
@@ -184,6 +188,31 @@ def packed_update(
     new_state[2] = EmaState(ema_count, Packed(layout, buffers=mu_b))
     new_state[-1] = ScaleByScheduleState(safe_increment(sched_state.count))
     return Packed(layout, buffers=g_b), tuple(new_state)
+
+
+def _big_call(
+    buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+    s: int,
+    rows: int,
+    n: int,
+    factors: Tensor,
+    step: Tensor,
+    decay: Tensor | None,
+    scalars: tuple[Tensor, ...],
+) -> None:
+    """One kernel call for ``rows`` consecutive large leaves of ``n`` elements from ``s``: one
+    leaf as a 1-d view with 0-d factor and step (the per-leaf path's call), several as the rows
+    of a matrix with a factor and step per row (the same arithmetic)."""
+    g, p, nu, mu = (x[s : s + rows * n] for x in buffers)
+    if rows == 1:
+        args: tuple[Tensor, ...] = (g, nu, mu, factors[0], step, *scalars)
+        tail: tuple[Tensor, ...] = () if decay is None else (p, decay)
+    else:
+        g, p, nu, mu = (x.view(rows, n) for x in (g, p, nu, mu))
+        per_row = step.to(nu.dtype).expand(rows, 1).contiguous()
+        args = (g, nu, mu, factors.to(nu.dtype).view(rows, 1), per_row, *scalars)
+        tail = () if decay is None else (p, decay.to(nu.dtype).expand(rows, 1).contiguous())
+    _kernels.call(_kernels.update_kernel_in_place, *args, *tail)
 
 
 def _leaf_views(layout: Layout, leaves: list[int], buffer: Tensor) -> list[Tensor]:

@@ -111,8 +111,9 @@ class Layout:
         return f"Layout({len(self.slots)} leaves in {len(self.sizes)} buffers of {self.sizes})"
 
     def members(self, buffer: int) -> list[int]:
-        """The leaves stored in ``buffer``, by offset (leaf order)."""
-        return [i for i, s in enumerate(self.slots) if s is not None and s[0] == buffer]
+        """The leaves stored in ``buffer``, by offset."""
+        inside = [(s[1], i) for i, s in enumerate(self.slots) if s is not None and s[0] == buffer]
+        return [i for _, i in sorted(inside)]
 
     def views(self, buffers: Sequence[Tensor]) -> list[Tensor | None]:
         """Each leaf as a view of its buffer (``None`` leaves stay ``None``)."""
@@ -191,7 +192,7 @@ def _describe(b: Tensor) -> str:
 ALIGN = 16
 """A leaf of at least this many elements starts at a multiple of it in its buffer (at least 16
 bytes: compiled kernels copy a misaligned input before using it), unless it continues a run of
-leaves of its size (runs stay dense, so that kernels can take them as the rows of a matrix)."""
+leaves of its size (runs stay dense, so that kernels take them as the rows of a matrix)."""
 
 
 def _joined(members: list[Tensor], starts: list[int]) -> Tensor:
@@ -210,21 +211,15 @@ def _joined(members: list[Tensor], starts: list[int]) -> Tensor:
 def pack(values: PyTree) -> Packed:
     """``values`` copied into one flat buffer per (device, dtype), as a :class:`Packed`.
 
-    Leaves are tensors or ``None``; a buffer holds its leaves in leaf order, each large one
-    aligned (:data:`ALIGN`). The copy is a ``torch.cat``, so autograd tracks it like any op (pack
-    detached tensors to get trainable buffers)."""
+    Leaves are tensors or ``None``. A buffer holds its leaves by size, largest first (leaves of
+    one size, wherever they are in the tree, form one run: the rows of a matrix), each new size
+    aligned (:data:`ALIGN`). The copy is a ``torch.cat``, so autograd tracks it like any op
+    (pack detached tensors to get trainable buffers)."""
     leaves, spec = tree.flatten(values)
     keys: dict[tuple[torch.device, torch.dtype], int] = {}
-    members: list[list[Tensor]] = []
-    starts: list[list[int]] = []
-    sizes: list[int] = []
-    last: list[int] = []  # per buffer: the size of its last leaf
-    shapes: list[torch.Size | None] = []
-    slots: list[tuple[int, int] | None] = []
+    groups: list[list[int]] = []  # per buffer: its leaves
     for i, v in enumerate(leaves):
         if v is None:
-            shapes.append(None)
-            slots.append(None)
             continue
         if not isinstance(v, Tensor):
             path = optree.tree_paths(values, none_is_leaf=True, namespace=tree.NAMESPACE)[i]
@@ -232,22 +227,27 @@ def pack(values: PyTree) -> Packed:
                 f"pack: the leaf at {tree.path_str(path)} is a {type(v).__name__}, not a tensor"
             )
         b = keys.setdefault((v.device, v.dtype), len(keys))
-        if b == len(members):
-            members.append([])
-            starts.append([])
-            sizes.append(0)
-            last.append(-1)
-        n = v.numel()
-        if n >= ALIGN and n != last[b]:
-            sizes[b] += -sizes[b] % ALIGN
-        shapes.append(v.shape)
-        slots.append((b, sizes[b]))
-        members[b].append(v)
-        starts[b].append(sizes[b])
-        sizes[b] += n
-        last[b] = n
-    layout = Layout(Structure(spec, tuple(shapes)), tuple(slots), tuple(sizes))
-    return Packed(layout, buffers=[_joined(m, s) for m, s in zip(members, starts, strict=True)])
+        if b == len(groups):
+            groups.append([])
+        groups[b].append(i)
+    slots: list[tuple[int, int] | None] = [None] * len(leaves)
+    sizes: list[int] = []
+    buffers: list[Tensor] = []
+    for b, members in enumerate(groups):
+        members.sort(key=lambda i: -leaves[i].numel())  # stable: leaf order within a size
+        size, last, starts = 0, -1, []
+        for i in members:
+            n = leaves[i].numel()
+            if n >= ALIGN and n != last:
+                size += -size % ALIGN
+            slots[i] = (b, size)
+            starts.append(size)
+            size, last = size + n, n
+        sizes.append(size)
+        buffers.append(_joined([leaves[i] for i in members], starts))
+    shapes = tuple(None if v is None else v.shape for v in leaves)
+    layout = Layout(Structure(spec, shapes), tuple(slots), tuple(sizes))
+    return Packed(layout, buffers=buffers)
 
 
 def _optree_flatten(p: Packed) -> tuple[tuple[PyTree], Structure, tuple[str]]:

@@ -37,6 +37,17 @@ def _big(gen: torch.Generator, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def _big_rows(gen: torch.Generator, dtype: torch.dtype) -> dict[str, Any]:
+    # large leaves of one size, apart in the tree: consecutive in the buffer, one kernel call as
+    # the rows of a matrix (per leaf in the unpacked path)
+    return {
+        "a": _leaf(gen, dtype, KERNEL_MIN + 8),
+        "b": _leaf(gen, dtype, 2 * KERNEL_MIN),
+        "c": [_leaf(gen, dtype, KERNEL_MIN + 8) for _ in range(2)],
+        "d": _leaf(gen, dtype, 3),
+    }
+
+
 def _mixed(gen: torch.Generator, dtype: torch.dtype) -> dict[str, Any]:
     # every route at once: a large leaf, a run, small leaves of odd sizes, 0-d and empty
     # leaves, a second buffer in float64, and same-shape leaves that are not consecutive
@@ -96,9 +107,10 @@ def test_pack_round_trips_into_one_buffer_per_dtype() -> None:
         if want.numel():  # (an empty view has no address)
             assert got.data_ptr() == buffer.data_ptr() + slot[1] * buffer.element_size()
     # large leaves start aligned; a run of one size stays dense (rows of a matrix)
+    # by size, largest first: the run of 17 (aligned, then dense rows), then the small leaves
     starts = [s[1] for s in packed.layout.slots if s is not None and s[0] == 0]
-    assert starts[:3] == [0, 12, 13]  # small leaves: dense
-    assert starts[3:] == [16, 33, 50] and ALIGN == 16  # aligned, then rows of 17
+    assert starts == [51, 63, 64, 0, 17, 34] and ALIGN == 16
+    assert packed.layout.members(0) == [5, 6, 7, 0, 3, 4]  # flat indices, by offset
     assert all(torch.equal(a, b) for a, b in zip(_tensors(tree), _tensors(kept), strict=True))
 
 
@@ -227,7 +239,9 @@ OPTIONS = [{}, {"weight_decay": 0.1}, {"agc": 0.0}, {"agc": 0.02, "pmin": 0.5}]
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-@pytest.mark.parametrize("make", [_rows, _big], ids=["runs", "large-leaves"])
+@pytest.mark.parametrize(
+    "make", [_rows, _big, _big_rows], ids=["runs", "large-leaves", "large-rows"]
+)
 def test_packed_update_equals_the_per_leaf_path_bit_for_bit(
     make: Make, options: dict[str, Any]
 ) -> None:
