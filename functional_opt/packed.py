@@ -1,8 +1,8 @@
 """Packed trees: a pytree whose tensors are views into a few contiguous buffers.
 
-``pack(tree)`` copies the tensors of ``tree`` into one flat buffer per (device, dtype), in leaf
-order, and returns a :class:`Packed`: a pytree node whose only child is ``tree`` rebuilt from
-views of those buffers. Transforms see the same per-tensor leaves as for ``tree`` (per-tensor
+``pack(tree)`` copies the tensors of ``tree`` into one flat buffer per (device, dtype), largest
+leaves first, and returns a :class:`Packed`: a pytree node whose only child is ``tree`` rebuilt
+from views of those buffers. Transforms see the same per-tensor leaves as for ``tree`` (per-tensor
 norms, masks and state paths are unchanged) and their per-parameter states are packed trees of
 the same structure, while the fast paths (``dreamerv3``'s update, ``apply_updates``) run over the
 buffers when every tree they get is packed with one layout: a tree of 2000 small tensors then
