@@ -242,12 +242,7 @@ def _run_update(c: _KernelStep, h: Hyper, idx: list[int]) -> None:
         factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
     if grads is None:
         grads = _stack_rows(grad_leaves)
-    # per row, like the factor: a 0-d step would split the kernel's loops in two
-    step_rows = c.step.to(nu.dtype).expand(rows, 1).contiguous()
-    args: tuple[Tensor, ...] = (grads, nu, mu, factor, step_rows, c.inv_bc2, *c.scalars)
-    if decay is not None and params is not None:
-        args = (*args, params, decay.to(nu.dtype).expand(rows, 1).contiguous())
-    _kernels.call(_kernels.update_kernel_in_place, *args)
+    rows_update(grads, nu, mu, factor, c.step, (c.inv_bc2, *c.scalars), params, decay)
     olds: tuple[list[Tensor], ...] = (g, nu_old, mu_old)
     for target, buffer, old, kept in zip(
         c.out, (grads, nu, mu), olds, (grads_kept, *in_place), strict=True
@@ -258,6 +253,27 @@ def _run_update(c: _KernelStep, h: Hyper, idx: list[int]) -> None:
             continue
         for i, leaf in zip(idx, buffer.view(rows, *shape).unbind(0), strict=True):
             target[i] = leaf
+
+
+def rows_update(
+    grads: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step: Tensor,
+    scalars: tuple[Tensor, ...],
+    params: Tensor | None,
+    decay: Tensor | None,
+) -> None:
+    """One in-place kernel call on the ``[rows, n]`` matrices of a run (``factor``:
+    ``[rows, 1]``; ``scalars``: ``1/(1-b2^t), b1, b2, eps``). The 0-d step and weight decay go
+    in per row, like the factor: a 0-d step would split the kernel's loops in two."""
+    rows = grads.shape[0]
+    per_row = step.to(nu.dtype).expand(rows, 1).contiguous()
+    args: tuple[Tensor, ...] = (grads, nu, mu, factor, per_row, *scalars)
+    if decay is not None and params is not None:
+        args = (*args, params, decay.to(nu.dtype).expand(rows, 1).contiguous())
+    _kernels.call(_kernels.update_kernel_in_place, *args)
 
 
 def _stack_rows(xs: list[Tensor], into: Tensor | None = None) -> Tensor:

@@ -17,6 +17,7 @@ from functional_opt._dreamerv3_fused import (
     kernel_options,
     kernel_scalars,
     leaf_norms,
+    rows_update,
 )
 from functional_opt.base import OptState, Params, Updates, safe_increment
 from functional_opt.packed import Layout, Packed
@@ -94,9 +95,9 @@ def packed_update(
     donated and the update written into the gradients' buffers when they are donated too;
     otherwise into copies (the same arithmetic either way). Loose packed trees (rebuilt from
     separate tensors, e.g. by a transform before this one in a chain) are copied into buffers
-    first. Gradients must be of at least 32 bits. Consecutive small leaves of one
-    size form runs here, where the per-leaf path groups small leaves of one shape anywhere in
-    the tree, so the two can route a leaf differently (equal to float rounding)."""
+    first. Gradients must be of at least 32 bits. A buffer holds its leaves by size, so runs
+    here are leaves of one size where the per-leaf path stacks leaves of one shape: the two can
+    route a small leaf differently (equal to float rounding)."""
     if not (kernel_options(h) and isinstance(updates, Packed)) or torch.compiler.is_compiling():
         return None
     original = updates
@@ -150,7 +151,7 @@ def packed_update(
     agc_off = isinstance(h.agc, (int, float)) and h.agc == 0
     for plan, g, p, nu, mu in zip(_plans(layout), g_b, p_b, nu_b, mu_b, strict=True):
         if plan.rest:
-            views = [_leaf_views(layout, plan.rest, x) for x in (g, p, nu, mu)]
+            views = [[layout.view(i, x) for i in plan.rest] for x in (g, p, nu, mu)]
             gv, pv, nuv, muv = views
             factors = None if agc_off else agc_factors(gv, pv, h.agc, h.pmin)
             u, nu_new, mu_new = foreach_update(
@@ -178,11 +179,7 @@ def packed_update(
                 pnorm = torch.linalg.vector_norm(pr, dim=1, dtype=nu.dtype)
                 unorm = torch.linalg.vector_norm(gr, dim=1, dtype=nu.dtype)
                 factor = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin).view(rows, 1)
-            step_rows = step.to(nu.dtype).expand(rows, 1).contiguous()
-            args = (gr, nur, mur, factor, step_rows, inv_bc2, *scalars)
-            if decay is not None:
-                args = (*args, pr, decay.to(nu.dtype).expand(rows, 1).contiguous())
-            _kernels.call(_kernels.update_kernel_in_place, *args)
+            rows_update(gr, nur, mur, factor, step, (inv_bc2, *scalars), pr, decay)
     new_state = list(state)
     new_state[1] = ScaleByRmsWithCountState(count, Packed(layout, buffers=nu_b))
     new_state[2] = EmaState(ema_count, Packed(layout, buffers=mu_b))
@@ -204,25 +201,12 @@ def _big_call(
     leaf as a 1-d view with 0-d factor and step (the per-leaf path's call), several as the rows
     of a matrix with a factor and step per row (the same arithmetic)."""
     g, p, nu, mu = (x[s : s + rows * n] for x in buffers)
-    if rows == 1:
-        args: tuple[Tensor, ...] = (g, nu, mu, factors[0], step, *scalars)
-        tail: tuple[Tensor, ...] = () if decay is None else (p, decay)
-    else:
+    if rows > 1:
         g, p, nu, mu = (x.view(rows, n) for x in (g, p, nu, mu))
-        per_row = step.to(nu.dtype).expand(rows, 1).contiguous()
-        args = (g, nu, mu, factors.to(nu.dtype).view(rows, 1), per_row, *scalars)
-        tail = () if decay is None else (p, decay.to(nu.dtype).expand(rows, 1).contiguous())
-    _kernels.call(_kernels.update_kernel_in_place, *args, *tail)
-
-
-def _leaf_views(layout: Layout, leaves: list[int], buffer: Tensor) -> list[Tensor]:
-    """The ``leaves`` of a packed layout as views of their ``buffer``."""
-    out = []
-    for i in leaves:
-        shape, slot = layout.shapes[i], layout.slots[i]
-        assert shape is not None and slot is not None
-        out.append(buffer[slot[1] : slot[1] + shape.numel()].view(shape))
-    return out
+        rows_update(g, nu, mu, factors.to(nu.dtype).view(rows, 1), step, scalars, p, decay)
+        return
+    tail: tuple[Tensor, ...] = () if decay is None else (p, decay)
+    _kernels.call(_kernels.update_kernel_in_place, g, nu, mu, factors[0], step, *scalars, *tail)
 
 
 def _copy_into(targets: list[Tensor], values: list[Tensor]) -> None:

@@ -115,16 +115,18 @@ class Layout:
         inside = [(s[1], i) for i, s in enumerate(self.slots) if s is not None and s[0] == buffer]
         return [i for _, i in sorted(inside)]
 
+    def view(self, leaf: int, buffer: Tensor) -> Tensor:
+        """Leaf ``leaf`` (not a ``None`` leaf) as a view of ``buffer``, the buffer it is in."""
+        shape, slot = self.shapes[leaf], self.slots[leaf]
+        assert shape is not None and slot is not None
+        return buffer[slot[1] : slot[1] + shape.numel()].view(shape)
+
     def views(self, buffers: Sequence[Tensor]) -> list[Tensor | None]:
         """Each leaf as a view of its buffer (``None`` leaves stay ``None``)."""
-        out: list[Tensor | None] = []
-        for shape, slot in zip(self.shapes, self.slots, strict=True):
-            if slot is None or shape is None:
-                out.append(None)
-                continue
-            b, start = slot
-            out.append(buffers[b][start : start + shape.numel()].view(shape))
-        return out
+        return [
+            None if slot is None else self.view(i, buffers[slot[0]])
+            for i, slot in enumerate(self.slots)
+        ]
 
 
 class Packed:
