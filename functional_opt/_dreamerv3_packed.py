@@ -109,6 +109,8 @@ def packed_update(
         updates = updates.repack()
     assert updates.layout is not None and updates.buffers is not None
     layout = updates.layout
+    if layout.structure.batch:  # (per-leaf norms over batched leaves: the per-leaf path)
+        return None
     if any(g.element_size() < 4 for g in updates.buffers):
         return None  # (16-bit updates are fresh buffers: see ``writable``)
     trees = (updates, params, rms_state.nu, ema_state.ema)

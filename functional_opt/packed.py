@@ -11,6 +11,10 @@ costs about what one tensor of the same size costs, as the adapter's flat buffer
 For ``torch.func`` (whose pytrees are ``torch.utils._pytree``'s) a ``Packed`` is a node whose
 children are its buffers, so ``torch.func.grad(loss)(packed_params)`` differentiates with respect
 to the buffers and returns the gradients packed with the same layout.
+
+Buffers may have leading *batch* dimensions (``pack(stacked, batch_dims=1)``, or what
+``torch.vmap`` stacks): a buffer of shape ``[*batch, n]`` holds leaves of shape
+``[*batch, *shape]``, and ``torch.vmap`` over it hands the function one member's packed tree.
 """
 
 from __future__ import annotations
@@ -30,18 +34,25 @@ __all__ = ["ALIGN", "Layout", "Packed", "Structure", "pack"]
 
 
 class Structure:
-    """The tree structure of a packed tree: its pytree spec and each leaf's shape (``None`` for
-    ``None`` leaves). What optree compares: two packed trees of one structure match leaf for
-    leaf whatever their dtypes and buffers."""
+    """The tree structure of a packed tree: its pytree spec, each leaf's shape without the batch
+    dimensions (``None`` for ``None`` leaves) and the batch shape (``torch.Size([])`` unless the
+    buffers are batched). What optree compares: two packed trees of one structure match leaf
+    for leaf whatever their dtypes and buffers."""
 
-    __slots__ = ("_hash", "_key", "shapes", "spec", "template")
+    __slots__ = ("_hash", "_key", "batch", "shapes", "spec", "template")
 
-    def __init__(self, spec: optree.PyTreeSpec, shapes: tuple[torch.Size | None, ...]) -> None:
+    def __init__(
+        self,
+        spec: optree.PyTreeSpec,
+        shapes: tuple[torch.Size | None, ...],
+        batch: Sequence[int] = (),
+    ) -> None:
         self.spec = spec
         self.shapes = shapes
+        self.batch = torch.Size(batch)
         self.template = tree.unflatten(spec, [None] * len(shapes))  # rebuilt under compile
         # compared as plain Python values (torch.compile cannot trace a spec's comparison)
-        self._key = (hash(spec), str(spec), shapes)
+        self._key = (hash(spec), str(spec), shapes, tuple(self.batch))
         self._hash = hash(self._key)
 
     def __eq__(self, other: object) -> bool:
@@ -55,7 +66,8 @@ class Structure:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Structure({len(self.shapes)} leaves)"
+        batch = f", batch {tuple(self.batch)}" if self.batch else ""
+        return f"Structure({len(self.shapes)} leaves{batch})"
 
     def rebuild(self, values: Sequence[Any]) -> PyTree:
         """The tree with ``values`` as its leaves."""
@@ -73,7 +85,7 @@ class Layout:
     all of that is equal (dtypes are not part of it: float32 params and their float32 moments
     share a layout)."""
 
-    __slots__ = ("_hash", "_plans", "sizes", "slots", "structure")
+    __slots__ = ("_batched", "_hash", "_plans", "sizes", "slots", "structure")
 
     def __init__(
         self,
@@ -86,6 +98,16 @@ class Layout:
         self.sizes = sizes
         self._hash = hash((structure, slots, sizes))
         self._plans: dict[Any, Any] = {}  # derived routing, cached by the fast paths
+        self._batched: dict[torch.Size, Layout] = {}
+
+    def batched(self, batch: torch.Size) -> Layout:
+        """This layout for buffers with batch shape ``batch`` (the same slots and sizes)."""
+        if batch == self.structure.batch:
+            return self
+        if batch not in self._batched:
+            structure = Structure(self.structure.spec, self.structure.shapes, batch)
+            self._batched[batch] = Layout(structure, self.slots, self.sizes)
+        return self._batched[batch]
 
     @property
     def shapes(self) -> tuple[torch.Size | None, ...]:
@@ -117,9 +139,11 @@ class Layout:
 
     def view(self, leaf: int, buffer: Tensor) -> Tensor:
         """Leaf ``leaf`` (not a ``None`` leaf) as a view of ``buffer``, the buffer it is in."""
-        shape, slot = self.shapes[leaf], self.slots[leaf]
+        shape, slot, batch = self.shapes[leaf], self.slots[leaf], self.structure.batch
         assert shape is not None and slot is not None
-        return buffer[slot[1] : slot[1] + shape.numel()].view(shape)
+        if not batch:
+            return buffer[slot[1] : slot[1] + shape.numel()].view(shape)
+        return buffer[..., slot[1] : slot[1] + shape.numel()].view(*batch, *shape)
 
     def views(self, buffers: Sequence[Tensor]) -> list[Tensor | None]:
         """Each leaf as a view of its buffer (``None`` leaves stay ``None``)."""
@@ -134,11 +158,11 @@ class Packed:
 
     Made by :func:`pack`, and by transforms (their outputs for packed inputs are ``Packed``).
     ``tree`` is the tree of tensors. A packed tree made from buffers has a ``layout`` and its
-    ``buffers``; one a generic transform rebuilt from separate tensors is *loose* (both
-    ``None``) until ``repack()`` copies it into buffers.
+    ``buffers`` (of shape ``[*structure.batch, n]``); one a generic transform rebuilt from
+    separate tensors is *loose* (both ``None``) until ``repack()`` copies it into buffers.
     """
 
-    __slots__ = ("_buffers", "_tree", "layout", "structure")
+    __slots__ = ("_buffers", "_items", "_tree", "layout", "structure")
 
     def __init__(
         self,
@@ -150,6 +174,7 @@ class Packed:
         if (buffers is None) == (tree is None):
             raise ValueError("Packed takes exactly one of buffers= (with a Layout) and tree=")
         self._tree = tree
+        self._items: tuple[Any, ...] | None = None
         self.structure = layout if isinstance(layout, Structure) else layout.structure
         self.layout: Layout | None = None  # loose: the tree's leaves are separate tensors
         self._buffers: tuple[Tensor, ...] | None = None
@@ -160,10 +185,21 @@ class Packed:
         self.layout, self._buffers = layout, tuple(buffers)
         if len(self._buffers) != len(layout.sizes):
             raise ValueError(f"the layout has {len(layout.sizes)} buffers, got {len(buffers)}")
+        batch = self.structure.batch
         for i, (b, n) in enumerate(zip(self._buffers, layout.sizes, strict=True)):
-            if not isinstance(b, Tensor) or b.dim() != 1 or b.shape[0] != n:
+            if not isinstance(b, Tensor) or b.shape != (*batch, n):
                 got = tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__
-                raise ValueError(f"buffer {i} must be a 1-d tensor of {n} elements, got {got}")
+                raise ValueError(f"buffer {i} must be a tensor of shape {(*batch, n)}, got {got}")
+
+    @classmethod
+    def _holding(cls, layout: Layout, items: Sequence[Any]) -> Packed:
+        """A node holding ``items`` in place of its buffers, as torch's pytree utilities build
+        when they rebuild a spec around other values (``vmap``'s ``in_dims``, a ``tree_map`` to
+        non-tensors). It flattens back to ``items`` and has no tree."""
+        new = cls.__new__(cls)
+        new._tree = new._buffers = None
+        new.structure, new.layout, new._items = layout.structure, layout, tuple(items)
+        return new
 
     @property
     def buffers(self) -> tuple[Tensor, ...] | None:
@@ -173,22 +209,36 @@ class Packed:
     @property
     def tree(self) -> PyTree:
         """The tree: for a packed one its leaves are views of the buffers (built once)."""
+        if self._items is not None:
+            kinds = sorted({type(x).__name__ for x in self._items})
+            raise TypeError(
+                f"this Packed holds {', '.join(kinds)} values in place of its buffers (a torch "
+                "pytree utility rebuilt it around other values, as vmap does with in_dims): "
+                "it has no tree"
+            )
         if self._tree is None:
             assert self._buffers is not None and self.layout is not None
             self._tree = self.structure.rebuild(self.layout.views(self._buffers))
         return self._tree
 
     def repack(self) -> Packed:
-        """``self`` if its leaves are in buffers, else ``pack(self.tree)``."""
-        return self if self._buffers is not None else pack(self._tree)
+        """``self`` if its leaves are in buffers, else ``pack(self.tree)`` (with the same batch
+        dimensions)."""
+        if self._buffers is not None or self._items is not None:
+            return self
+        return pack(self._tree, batch_dims=len(self.structure.batch))
 
     def __repr__(self) -> str:
-        where = "loose" if self._buffers is None else ", ".join(_describe(b) for b in self._buffers)
-        return f"Packed({len(self.structure.shapes)} leaves; {where})"
+        if self._items is not None:
+            where = f"holding {self._items!r}"
+        else:
+            where = "loose" if self._buffers is None else ", ".join(map(_describe, self._buffers))
+        batch = f"batch {tuple(self.structure.batch)}; " if self.structure.batch else ""
+        return f"Packed({len(self.structure.shapes)} leaves; {batch}{where})"
 
 
 def _describe(b: Tensor) -> str:
-    return f"{b.numel()} x {str(b.dtype).removeprefix('torch.')} on {b.device}"
+    return f"{b.shape[-1]} x {str(b.dtype).removeprefix('torch.')} on {b.device}"
 
 
 ALIGN = 16
@@ -197,58 +247,82 @@ bytes: compiled kernels copy a misaligned input before using it), unless it cont
 leaves of its size (runs stay dense, so that kernels take them as the rows of a matrix)."""
 
 
-def _joined(members: list[Tensor], starts: list[int]) -> Tensor:
-    """``members`` flattened into one buffer, each at its start (zeros in the gaps): one
-    ``torch.cat``, which autograd and ``torch.func`` transforms follow."""
+def _joined(members: list[Tensor], starts: list[int], batch: torch.Size) -> Tensor:
+    """``members`` flattened (after the batch dimensions) into one buffer, each at its start
+    (zeros in the gaps): one ``torch.cat``, which autograd and ``torch.func`` transforms follow."""
     pieces: list[Tensor] = []
     end = 0
     for x, start in zip(members, starts, strict=True):
         if start > end:
-            pieces.append(x.new_zeros(start - end))
-        pieces.append(x.reshape(-1))
-        end = start + x.numel()
-    return torch.cat(pieces)
+            pieces.append(x.new_zeros(*batch, start - end))
+        n = x.shape[len(batch) :].numel()
+        pieces.append(x.reshape(*batch, n))
+        end = start + n
+    return torch.cat(pieces, dim=-1)
 
 
-def pack(values: PyTree) -> Packed:
+def _path(values: PyTree, i: int) -> str:
+    return tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=tree.NAMESPACE)[i])
+
+
+def pack(values: PyTree, batch_dims: int = 0) -> Packed:
     """``values`` copied into one flat buffer per (device, dtype), as a :class:`Packed`.
 
     Leaves are tensors or ``None``. A buffer holds its leaves by size, largest first (leaves of
     one size, wherever they are in the tree, form one run: the rows of a matrix), each new size
-    aligned (:data:`ALIGN`). The copy is a ``torch.cat``, so autograd tracks it like any op
-    (pack detached tensors to get trainable buffers)."""
+    aligned (:data:`ALIGN`). With ``batch_dims=k`` every leaf's first ``k`` dimensions are a
+    batch shape they all share (e.g. stacked ensemble members): the buffers have shape
+    ``[*batch, n]`` and ``torch.vmap`` over them maps over the members. The copy is a
+    ``torch.cat``, so autograd tracks it like any op (pack detached tensors to get trainable
+    buffers)."""
+    if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
+        raise ValueError(f"pack: batch_dims must be an int >= 0, got {batch_dims!r}")
     leaves, spec = tree.flatten(values)
     keys: dict[tuple[torch.device, torch.dtype], int] = {}
     groups: list[list[int]] = []  # per buffer: its leaves
+    batch: torch.Size | None = None
     for i, v in enumerate(leaves):
         if v is None:
             continue
         if not isinstance(v, Tensor):
-            path = optree.tree_paths(values, none_is_leaf=True, namespace=tree.NAMESPACE)[i]
             raise TypeError(
-                f"pack: the leaf at {tree.path_str(path)} is a {type(v).__name__}, not a tensor"
+                f"pack: the leaf at {_path(values, i)} is a {type(v).__name__}, not a tensor"
+            )
+        if v.dim() < batch_dims:
+            raise ValueError(
+                f"pack: the leaf at {_path(values, i)} has {v.dim()} dimensions, fewer than "
+                f"batch_dims={batch_dims}"
+            )
+        if batch is None:
+            batch = v.shape[:batch_dims]
+        elif v.shape[:batch_dims] != batch:
+            raise ValueError(
+                f"pack: the leaf at {_path(values, i)} has batch shape "
+                f"{tuple(v.shape[:batch_dims])}, the leaves before it {tuple(batch)}"
             )
         b = keys.setdefault((v.device, v.dtype), len(keys))
         if b == len(groups):
             groups.append([])
         groups[b].append(i)
+    batch = torch.Size() if batch is None else batch
+    shapes = tuple(None if v is None else v.shape[batch_dims:] for v in leaves)
     slots: list[tuple[int, int] | None] = [None] * len(leaves)
     sizes: list[int] = []
     buffers: list[Tensor] = []
     for b, members in enumerate(groups):
-        members.sort(key=lambda i: -leaves[i].numel())  # stable: leaf order within a size
+        numel = {i: shapes[i].numel() for i in members}  # type: ignore[union-attr]
+        members.sort(key=lambda i: -numel[i])  # stable: leaf order within a size
         size, last, starts = 0, -1, []
         for i in members:
-            n = leaves[i].numel()
+            n = numel[i]
             if n >= ALIGN and n != last:
                 size += -size % ALIGN
             slots[i] = (b, size)
             starts.append(size)
             size, last = size + n, n
         sizes.append(size)
-        buffers.append(_joined([leaves[i] for i in members], starts))
-    shapes = tuple(None if v is None else v.shape for v in leaves)
-    layout = Layout(Structure(spec, shapes), tuple(slots), tuple(sizes))
+        buffers.append(_joined([leaves[i] for i in members], starts, batch))
+    layout = Layout(Structure(spec, shapes, batch), tuple(slots), tuple(sizes))
     return Packed(layout, buffers=buffers)
 
 
@@ -260,14 +334,31 @@ def _optree_unflatten(structure: Structure, children: Sequence[PyTree]) -> Packe
     return Packed(structure, tree=children[0])
 
 
-def _torch_flatten(p: Packed) -> tuple[list[Tensor], Layout]:
+def _torch_flatten(p: Packed) -> tuple[list[Any], Layout]:
+    if p._items is not None:
+        assert p.layout is not None
+        return list(p._items), p.layout
     packed = p.repack()
     assert packed.buffers is not None and packed.layout is not None
     return list(packed.buffers), packed.layout
 
 
-def _torch_unflatten(buffers: Sequence[Tensor], layout: Layout) -> Packed:
-    return Packed(layout, buffers=list(buffers))
+def _torch_unflatten(children: Sequence[Any], layout: Layout) -> Packed:
+    """A packed tree of ``children`` as its buffers, with the batch shape they have (what
+    ``torch.vmap`` stacks, or one member inside it); a node holding them if they are not all
+    tensors (torch's pytree utilities rebuild specs around any values)."""
+    values = list(children)
+    if not all(isinstance(b, Tensor) for b in values):
+        return Packed._holding(layout, values)
+    if values:
+        if values[0].dim() == 0:
+            raise ValueError(
+                "buffer 0 of a packed tree became a 0-d tensor, as inside torch.vmap over a packed "
+                "tree without batch dimensions: pass it with in_dims=None to share it, or pack "
+                "a stacked tree with pack(stacked, batch_dims=1) to map over its members"
+            )
+        layout = layout.batched(values[0].shape[:-1])
+    return Packed(layout, buffers=values)
 
 
 optree.register_pytree_node(

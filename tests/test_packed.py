@@ -3,6 +3,7 @@ the buffers (dreamerv3's update, ``apply_updates``) equal the per-leaf paths."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -122,8 +123,10 @@ def test_pack_rejects_what_is_not_a_tensor() -> None:
         Packed(layout)
     with pytest.raises(ValueError, match="needs a Layout"):
         Packed(layout.structure, buffers=[torch.ones(3)])
-    with pytest.raises(ValueError, match="1-d tensor of 3 elements"):
+    with pytest.raises(ValueError, match=r"shape \(3,\), got \(4,\)"):
         Packed(layout, buffers=[torch.ones(4)])
+    with pytest.raises(ValueError, match=r"shape \(3,\), got \(2, 3\)"):
+        Packed(layout, buffers=[torch.ones(2, 3)])  # batched buffers need a batched layout
     with pytest.raises(ValueError, match="1 buffers"):
         Packed(layout, buffers=[torch.ones(3), torch.ones(3)])
 
@@ -419,3 +422,138 @@ def test_injected_hyperparameters_take_the_packed_path() -> None:
     state.hyperparams["lr"] = torch.tensor(0.5)  # a new value: the same path, no recompile
     u2, _ = tx.update(fo.pack(grads), state, params)
     assert isinstance(u2, Packed) and u2.buffers is not None
+
+
+# ------------------------------------------------------------ batch dimensions and vmap
+def _stacked(gen: torch.Generator, members: int) -> dict[str, Any]:
+    # an ensemble's params: every leaf has the members first
+    return {
+        "w": _leaf(gen, torch.float32, members, 6, 4),
+        "b": [_leaf(gen, torch.float32, members, 6), None, _leaf(gen, torch.float32, members)],
+        "h": _leaf(gen, torch.float64, members, 3),
+    }
+
+
+def test_pack_with_batch_dims_keeps_the_members_first() -> None:
+    gen = torch.Generator().manual_seed(20)
+    values = _stacked(gen, 3)
+    packed = fo.pack(values, batch_dims=1)
+    assert packed.structure.batch == torch.Size([3]) and packed.buffers is not None
+    assert [tuple(b.shape) for b in packed.buffers] == [(3, 24 + 6 + 1), (3, 3)]
+    # shapes without the batch, in flattening order: b[0], b[1] (None), b[2], h, w
+    assert packed.structure.shapes == ((6,), None, (), (3,), (6, 4))
+    for a, b in zip(_tensors(packed), _tensors(values), strict=True):
+        assert torch.equal(a, b)
+    w = packed.tree["w"]
+    assert w.untyped_storage().data_ptr() == packed.buffers[0].untyped_storage().data_ptr()
+    w.add_(1.0)  # a view: writes reach the buffer
+    assert torch.equal(packed.buffers[0][:, :24], (values["w"] + 1).reshape(3, 24))
+    assert packed.structure != fo.pack(values["w"][0]).structure  # the batch is structure
+    two = fo.pack({"x": torch.zeros(2, 5, 7)}, batch_dims=2)
+    assert two.structure.batch == torch.Size([2, 5]) and two.tree["x"].shape == (2, 5, 7)
+    assert two.structure == fo.pack({"x": torch.ones(2, 5, 7)}, batch_dims=2).structure
+
+
+def test_pack_with_batch_dims_rejects_leaves_that_do_not_share_them() -> None:
+    with pytest.raises(ValueError, match=r"\['b'\] has batch shape \(2,\), .* \(3,\)"):
+        fo.pack({"a": torch.ones(3, 4), "b": torch.ones(2, 4)}, batch_dims=1)
+    with pytest.raises(ValueError, match=r"\['s'\] has 0 dimensions, fewer than batch_dims=1"):
+        fo.pack({"a": torch.ones(3, 4), "s": torch.tensor(1.0)}, batch_dims=1)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="batch_dims must be an int"):
+            fo.pack({"a": torch.ones(3)}, batch_dims=bad)  # type: ignore[arg-type]
+
+
+def test_loose_batched_trees_repack_with_their_batch() -> None:
+    gen = torch.Generator().manual_seed(21)
+    packed = fo.pack(_stacked(gen, 2), batch_dims=1)
+    loose = fo.tree.map_params(lambda x: x * 2, packed)
+    assert isinstance(loose, Packed) and loose.buffers is None
+    assert loose.structure == packed.structure
+    again = loose.repack()
+    assert again.layout == packed.layout and again.structure.batch == torch.Size([2])
+    for a, b in zip(_tensors(again), _tensors(packed), strict=True):
+        assert torch.equal(a, 2 * b)
+
+
+def test_torch_pytree_utilities_can_rebuild_a_packed_spec_around_other_values() -> None:
+    # torch's pytree contract: unflatten takes any leaves (vmap's in_dims, tree_map)
+    import torch.utils._pytree as torch_pytree
+
+    packed = fo.pack({"a": torch.ones(3), "h": torch.ones(2, dtype=torch.float64)})
+    leaves, spec = torch_pytree.tree_flatten(packed)
+    assert len(leaves) == 2
+    holder = torch_pytree.tree_unflatten([0, None], spec)
+    assert isinstance(holder, Packed) and torch_pytree.tree_flatten(holder)[0] == [0, None]
+    assert torch_pytree.tree_map(lambda b: b.dtype, packed) is not None
+    with pytest.raises(TypeError, match="holds NoneType, int values in place of its buffers"):
+        _ = holder.tree
+
+
+def test_vmap_over_data_shares_packed_params_and_stacks_per_sample_gradients() -> None:
+    gen = torch.Generator().manual_seed(22)
+    params = {"w": _leaf(gen, torch.float32, 3, 2), "b": _leaf(gen, torch.float32, 2)}
+    x, y = _leaf(gen, torch.float32, 5, 3), _leaf(gen, torch.float32, 5, 2)
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((torch.tanh(x @ p["w"] + p["b"]) - y) ** 2).sum()
+
+    packed = fo.pack(params)
+    per_sample = torch.vmap(torch.func.grad(lambda p, x, y: loss(p.tree, x, y)), (None, 0, 0))
+    grads = per_sample(packed, x, y)
+    want = torch.vmap(torch.func.grad(loss), (None, 0, 0))(params, x, y)
+    assert isinstance(grads, Packed) and grads.structure.batch == torch.Size([5])
+    assert grads.layout == packed.layout.batched(torch.Size([5]))
+    for a, b in zip(_tensors(grads), _tensors(want), strict=True):
+        assert a.shape[0] == 5
+        torch.testing.assert_close(a, b)
+
+
+def test_vmap_over_a_packed_tree_without_batch_dims_says_what_to_do() -> None:
+    packed = fo.pack({"a": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"in_dims=None .* batch_dims=1"):
+        torch.vmap(lambda p: p.tree["a"] * 2)(packed)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_vmapped_dreamerv3_over_a_packed_ensemble_equals_each_member_alone(donate: bool) -> None:
+    gen = torch.Generator().manual_seed(23)
+    members = 3
+    tx = fo.dreamerv3(lr=1e-2, warmup=0)
+    plain = _stacked(gen, members)
+    params = fo.pack(plain, batch_dims=1)
+    state = torch.vmap(tx.init)(params)
+    assert isinstance(state[1].nu, Packed) and state[1].nu.structure.batch == (members,)
+    solo = [fo.tree.map_params(lambda x, i=i: x[i].clone(), plain) for i in range(members)]
+    solo_states = [tx.init(p) for p in solo]
+    update = torch.vmap(functools.partial(tx.update, donate=donate))
+    for _ in range(3):
+        raw = _stacked(gen, members)
+        u, state = update(fo.pack(raw, batch_dims=1), state, params)
+        assert isinstance(u, Packed) and u.structure.batch == (members,)
+        params = fo.apply_updates(params, u, donate=donate)
+        for i in range(members):
+            g = fo.tree.map_params(lambda x, i=i: x[i], raw)
+            u_i, solo_states[i] = tx.update(g, solo_states[i], solo[i])
+            solo[i] = fo.apply_updates(solo[i], u_i)
+    assert params.structure.batch == (members,)
+    for i in range(members):
+        for a, b in zip(_tensors(params), _tensors(solo[i]), strict=True):
+            torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-7)
+
+
+def test_dreamerv3_over_batched_packed_trees_without_vmap_treats_each_leaf_whole() -> None:
+    # no vmap: a batched leaf is one tensor (its norms span the members), as for the plain
+    # stacked tree; the buffers' fast path is for unbatched trees, so this is the per-leaf path
+    gen = torch.Generator().manual_seed(24)
+    tx = fo.dreamerv3(lr=1e-2, warmup=0)
+    plain = _stacked(gen, 2)
+    params = fo.pack(plain, batch_dims=1)
+    grads = _stacked(gen, 2)
+    u, state = tx.update(fo.pack(grads, batch_dims=1), tx.init(params), params)
+    want, want_state = tx.update(grads, tx.init(plain), plain)
+    assert isinstance(u, Packed) and u.structure.batch == (2,)
+    for a, b in zip(_tensors(_plain((u, state))), _tensors((want, want_state)), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="structure"):  # batched and unbatched do not mix
+        tx.update(fo.pack(grads, batch_dims=1), tx.init(plain), fo.pack(plain))
