@@ -39,7 +39,7 @@ class Structure:
     buffers are batched). What optree compares: two packed trees of one structure match leaf
     for leaf whatever their dtypes and buffers."""
 
-    __slots__ = ("_hash", "_key", "batch", "shapes", "spec", "template")
+    __slots__ = ("_hash", "_key", "batch", "indices", "shapes", "spec")
 
     def __init__(
         self,
@@ -49,11 +49,25 @@ class Structure:
     ) -> None:
         self.spec = spec
         self.shapes = shapes
+        # the tree with each leaf's index as the leaf: under torch.compile, whose pytree code
+        # may visit a dict's keys in another order, leaves are placed through it by index
+        self.indices = tree.unflatten(spec, list(range(len(shapes))))
+        # compared as plain Python values (torch.compile cannot trace a spec's hash or equality)
+        self._batch((hash(spec), str(spec), shapes), batch)
+
+    def _batch(self, key: tuple[Any, ...], batch: Sequence[int]) -> None:
         self.batch = torch.Size(batch)
-        self.template = tree.unflatten(spec, [None] * len(shapes))  # rebuilt under compile
-        # compared as plain Python values (torch.compile cannot trace a spec's comparison)
-        self._key = (hash(spec), str(spec), shapes, tuple(self.batch))
+        self._key = (*key, tuple(self.batch))
         self._hash = hash(self._key)
+
+    def batched(self, batch: Sequence[int]) -> Structure:
+        """This structure with batch shape ``batch``."""
+        if torch.Size(batch) == self.batch:
+            return self
+        new = object.__new__(Structure)  # (made under compile too: no spec operations here)
+        new.spec, new.shapes, new.indices = self.spec, self.shapes, self.indices
+        new._batch(self._key[:-1], batch)
+        return new
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -70,13 +84,24 @@ class Structure:
         return f"Structure({len(self.shapes)} leaves{batch})"
 
     def rebuild(self, values: Sequence[Any]) -> PyTree:
-        """The tree with ``values`` as its leaves."""
+        """The tree with ``values`` (in flattening order) as its leaves."""
         if torch.compiler.is_compiling():  # (dynamo's optree cannot take a spec made outside)
-            it = iter(values)
             return optree.tree_map(
-                lambda _: next(it), self.template, none_is_leaf=True, namespace=tree.NAMESPACE
+                values.__getitem__, self.indices, none_is_leaf=True, namespace=tree.NAMESPACE
             )
         return tree.unflatten(self.spec, values)
+
+    def leaves(self, values: PyTree) -> list[Any]:
+        """The leaves of ``values``, a tree of this structure, in flattening order."""
+        if not torch.compiler.is_compiling():
+            return tree.leaves(values)
+        out: list[Any] = [None] * len(self.shapes)
+
+        def put(i: int, v: Any) -> None:
+            out[i] = v
+
+        optree.tree_map(put, self.indices, values, none_is_leaf=True, namespace=tree.NAMESPACE)
+        return out
 
 
 class Layout:
@@ -105,7 +130,7 @@ class Layout:
         if batch == self.structure.batch:
             return self
         if batch not in self._batched:
-            structure = Structure(self.structure.spec, self.structure.shapes, batch)
+            structure = self.structure.batched(batch)
             self._batched[batch] = Layout(structure, self.slots, self.sizes)
         return self._batched[batch]
 
@@ -226,7 +251,7 @@ class Packed:
         dimensions)."""
         if self._buffers is not None or self._items is not None:
             return self
-        return pack(self._tree, batch_dims=len(self.structure.batch))
+        return _pack(self._tree, len(self.structure.batch), self.structure)
 
     def __repr__(self) -> str:
         if self._items is not None:
@@ -275,9 +300,23 @@ def pack(values: PyTree, batch_dims: int = 0) -> Packed:
     ``[*batch, n]`` and ``torch.vmap`` over them maps over the members. The copy is a
     ``torch.cat``, so autograd tracks it like any op (pack detached tensors to get trainable
     buffers)."""
+    return _pack(values, batch_dims, None)
+
+
+def _pack(values: PyTree, batch_dims: int, known: Structure | None) -> Packed:
+    """:func:`pack`, with the structure of ``values`` taken from ``known`` when its leaf shapes
+    are those of ``values`` (a loose packed tree's own: under ``torch.compile``, where a spec
+    cannot be hashed or unflattened, that is the only way to repack one)."""
     if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
         raise ValueError(f"pack: batch_dims must be an int >= 0, got {batch_dims!r}")
-    leaves, spec = tree.flatten(values)
+    if torch.compiler.is_compiling():
+        if known is None:
+            raise RuntimeError(
+                "pack cannot run under torch.compile: pack outside the compiled code"
+            )
+        leaves, spec = known.leaves(values), known.spec
+    else:
+        leaves, spec = tree.flatten(values)
     keys: dict[tuple[torch.device, torch.dtype], int] = {}
     groups: list[list[int]] = []  # per buffer: its leaves
     batch: torch.Size | None = None
@@ -322,7 +361,9 @@ def pack(values: PyTree, batch_dims: int = 0) -> Packed:
             size, last = size + n, n
         sizes.append(size)
         buffers.append(_joined([leaves[i] for i in members], starts, batch))
-    layout = Layout(Structure(spec, shapes, batch), tuple(slots), tuple(sizes))
+    if known is None or known.shapes != shapes:
+        known = Structure(spec, shapes)
+    layout = Layout(known.batched(batch), tuple(slots), tuple(sizes))
     return Packed(layout, buffers=buffers)
 
 

@@ -367,10 +367,15 @@ def test_grad_of_packed_params_is_packed_with_their_layout() -> None:
 
 
 def test_compiled_step_over_packed_trees_matches_eager() -> None:
+    # keys inserted out of sorted order (compiled pytree code may visit them in another order:
+    # leaves are placed by index, not by visiting order)
     gen = torch.Generator().manual_seed(11)
     tx = fo.dreamerv3(lr=1e-2, warmup=0)
-    params = fo.pack({"a": _leaf(gen, torch.float32, 3, 4), "b": _leaf(gen, torch.float32, 4)})
-    grads = fo.pack({"a": _leaf(gen, torch.float32, 3, 4), "b": _leaf(gen, torch.float32, 4)})
+
+    def make() -> dict[str, Any]:
+        return {"w": _leaf(gen, torch.float32, 3, 4), "b": [_leaf(gen, torch.float32, 4)] * 2}
+
+    params, grads = fo.pack(make()), fo.pack(make())
 
     def step(g: Packed, s: Any, p: Packed) -> tuple[Any, Any]:
         u, s = tx.update(g, s, p)
@@ -379,9 +384,12 @@ def test_compiled_step_over_packed_trees_matches_eager() -> None:
     state = tx.init(params)
     got = torch.compile(step, fullgraph=True)(grads, state, params)
     want = step(grads, state, params)
-    assert isinstance(got[0], Packed)
+    assert isinstance(got[0], Packed) and got[0].tree["w"].shape == (3, 4)
+    assert torch.compile(lambda g: g.tree["w"] + 0, fullgraph=True)(grads).shape == (3, 4)
     for a, b in zip(_tensors(got), _tensors(want), strict=True):
         torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match=r"pack cannot run under torch\.compile"):
+        torch.compile(fo.pack, fullgraph=True)({"a": torch.ones(2)})
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -557,3 +565,16 @@ def test_dreamerv3_over_batched_packed_trees_without_vmap_treats_each_leaf_whole
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="structure"):  # batched and unbatched do not mix
         tx.update(fo.pack(grads, batch_dims=1), tx.init(plain), fo.pack(plain))
+
+
+def test_compiled_vmap_over_a_packed_ensemble_matches_eager() -> None:
+    gen = torch.Generator().manual_seed(25)
+    tx = fo.dreamerv3(lr=1e-2, warmup=0)
+    params = fo.pack(_stacked(gen, 3), batch_dims=1)
+    grads = fo.pack(_stacked(gen, 3), batch_dims=1)
+    state = torch.vmap(tx.init)(params)
+    got = torch.compile(torch.vmap(tx.update), fullgraph=True)(grads, state, params)
+    want = torch.vmap(tx.update)(grads, state, params)
+    assert isinstance(got[0], Packed) and got[0].layout == want[0].layout
+    for a, b in zip(_tensors(_plain(got)), _tensors(_plain(want)), strict=True):
+        torch.testing.assert_close(a, b)
