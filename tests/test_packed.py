@@ -578,3 +578,20 @@ def test_compiled_vmap_over_a_packed_ensemble_matches_eager() -> None:
     assert isinstance(got[0], Packed) and got[0].layout == want[0].layout
     for a, b in zip(_tensors(_plain(got)), _tensors(_plain(want)), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_checkpoints_of_a_packed_ensemble_state_match_the_plain_stacked_state() -> None:
+    gen = torch.Generator().manual_seed(26)
+    tx = fo.dreamerv3(lr=1e-2, warmup=0)
+    plain = _stacked(gen, 3)
+    params = fo.pack(plain, batch_dims=1)
+    update = torch.vmap(tx.update)
+    grads = fo.pack(_stacked(gen, 3), batch_dims=1)
+    _, state = update(grads, torch.vmap(tx.init)(params), params)
+    flat = fo.state_to_dict(state)
+    assert sorted(flat) == sorted(fo.state_to_dict(tx.init(plain)))  # the same names
+    restored = fo.state_from_dict(torch.vmap(tx.init)(params), flat)
+    assert restored[1].nu.buffers is None and restored[1].nu.structure.batch == (3,)
+    got, want = update(grads, restored, params), update(grads, state, params)
+    for a, b in zip(_tensors(_plain(got)), _tensors(_plain(want)), strict=True):
+        assert torch.equal(a, b)
