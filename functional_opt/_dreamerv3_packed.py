@@ -161,11 +161,11 @@ def packed_update(
             )
             _copy_into(nuv + muv + gv, nu_new + mu_new + u)
         if plan.big:
-            gv = [g[s + k * n : s + (k + 1) * n] for s, rows, n in plan.big for k in range(rows)]
-            pv = [p[s + k * n : s + (k + 1) * n] for s, rows, n in plan.big for k in range(rows)]
-            big_factors = torch.ones(len(gv), dtype=torch.float32)  # no clipping
-            if not agc_off:
-                unorm, pnorm = leaf_norms(gv, pv)
+            leaves = [(s + k * n, s + (k + 1) * n) for s, rows, n in plan.big for k in range(rows)]
+            if agc_off:  # no clipping
+                big_factors = torch.ones(len(leaves), dtype=torch.float32, device=g.device)
+            else:
+                unorm, pnorm = leaf_norms([g[a:b] for a, b in leaves], [p[a:b] for a, b in leaves])
                 big_factors = agc_factors_from_norms(unorm, pnorm, h.agc, h.pmin)
             first = 0
             for s, rows, n in plan.big:
