@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from functional_opt import _lists
+from functional_opt import _lists, _validate
 from functional_opt.loss_scale import DynamicLossScale, NoOpLossScale, _reciprocal, all_finite
 from functional_opt.metrics import dreamerv3_metrics
 
@@ -51,6 +51,54 @@ def _is_tensordict(value: Any) -> bool:
     # tensordict is optional: a TensorDict can only exist if its module is already imported.
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(value, td.TensorDictBase)
+
+
+def _check_device_type(device_type: Any, what: str = "device_type") -> None:
+    """Raises ``ValueError`` unless ``torch.amp.autocast`` takes ``device_type``."""
+    ok = isinstance(device_type, str) and bool(device_type) and ":" not in device_type
+    if ok:
+        try:
+            ok = torch.amp.is_autocast_available(device_type)
+        except RuntimeError:  # not a device type torch knows
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{what} must be a device type that torch.amp.autocast supports (such as 'cpu' or "
+            f"'cuda', without an index), got {device_type!r}"
+        )
+
+
+def _count(sd: Mapping[str, Any], key: str, where: str = "stepper state_dict", low: int = 0) -> int:
+    """``sd[key]`` (0 when absent) as a Python int in ``[low, 2**31 - 1]``: a Python int or an
+    integer 0-d tensor; anything else raises ``ValueError`` naming the entry."""
+    value = sd.get(key, 0)
+    name = f"{where}[{key!r}]"
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name} must be an integer, got a {value.dtype} tensor")
+        if value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer, got a bool tensor")
+        value = int(value)
+    _validate.int_in_range(name, value, low, _validate.counter_max())
+    return int(value)
+
+
+def _real(sd: Mapping[str, Any], key: str, where: str) -> float:
+    """``sd[key]`` as a Python float: a real number or a real 0-d tensor."""
+    value = sd[key]
+    if (
+        isinstance(value, Tensor)
+        and value.dim() == 0
+        and value.dtype != torch.bool
+        and not value.is_complex()
+    ):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}[{key!r}] must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _mul_(xs: list[Tensor], factor: Tensor) -> None:
@@ -141,10 +189,8 @@ class MixedPrecisionOptimizationStepper:
             or not (math.isfinite(clip_norm) and clip_norm > 0)
         ):
             raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}")
-        if device_type is not None and (not isinstance(device_type, str) or not device_type):
-            raise ValueError(
-                f"device_type must be a device type string or None, got {device_type!r}"
-            )
+        if device_type is not None:
+            _check_device_type(device_type)
         if not (
             process_group is None
             or (isinstance(process_group, str) and process_group == "auto")
@@ -159,6 +205,8 @@ class MixedPrecisionOptimizationStepper:
 
         params = self._params(optimizer)
         device = params[0].device if params else torch.device("cpu")
+        if device_type is None:
+            _check_device_type(device.type, "the params' device type")
         self.optimizer = optimizer
         self.mixed_precision = mixed_precision
         self.autocast_dtype = autocast_dtype
@@ -304,25 +352,45 @@ class MixedPrecisionOptimizationStepper:
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; also takes torchrl's stepper checkpoints. Everything is
-        checked before anything changes."""
+        """Inverse of :meth:`state_dict`; also takes torchrl's stepper checkpoints.
+
+        All or nothing: the stepper's own entries (counters, loss scale) are checked and
+        converted first, then the optimizer loads its entry (``torch.optim`` optimizers and
+        :class:`~functional_opt.adapters.TransformOptimizer` check everything before they change
+        anything), and only then, when nothing can fail any more, the stepper takes its values.
+        A bad checkpoint raises ``ValueError`` (``KeyError`` for a missing entry) and leaves the
+        stepper and its optimizer as they were."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"stepper state_dict must be a mapping, got {type(state_dict).__name__}"
+            )
         if "optimizer" not in state_dict:
             raise KeyError("stepper state_dict has no 'optimizer' entry")
-        micro_step = int(state_dict.get("micro_step", 0))
+        optimizer_sd = state_dict["optimizer"]
+        if not isinstance(optimizer_sd, dict):
+            raise ValueError(
+                "stepper state_dict['optimizer'] must be an optimizer's state dict, got "
+                f"{type(state_dict['optimizer']).__name__}"
+            )
+        micro_step = _count(state_dict, "micro_step")
         if micro_step % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"stepper state_dict was saved mid-accumulation (micro_step={micro_step}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})"
             )
+        counts = [
+            _count(state_dict, key)
+            for key in ("optimizer_step_count", "skipped_nonfinite_steps", "skipped_overflow_steps")
+        ]
         loss_scale = self._loss_scale
         if isinstance(loss_scale, DynamicLossScale) and "scaler" in state_dict:
             loss_scale = self._scale_from_dict(state_dict["scaler"], loss_scale.loss_scale.device)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(optimizer_sd)
+        # Nothing below can fail.
         self._loss_scale = loss_scale
         self._micro_step = 0
-        self._optimizer_step_count = int(state_dict.get("optimizer_step_count", 0))
-        self._skipped_nonfinite_steps = int(state_dict.get("skipped_nonfinite_steps", 0))
-        self._skipped_overflow_steps = int(state_dict.get("skipped_overflow_steps", 0))
+        self._optimizer_step_count, self._skipped_nonfinite_steps = counts[0], counts[1]
+        self._skipped_overflow_steps = counts[2]
 
     # ------------------------------------------------------------------ helpers
 
@@ -343,27 +411,56 @@ class MixedPrecisionOptimizationStepper:
         )
 
     @classmethod
-    def _scale_from_dict(cls, sd: Mapping[str, Any], device: torch.device) -> DynamicLossScale:
+    def _scale_from_dict(cls, sd: Any, device: torch.device) -> DynamicLossScale:
+        """The loss scale of a checkpoint's ``"scaler"`` entry (``GradScaler``'s layout), every
+        value checked: a NaN, infinite, zero or negative scale would stop training for good."""
+        where = "stepper state_dict['scaler']"
+        if not isinstance(sd, Mapping):
+            raise ValueError(f"{where} must be a mapping, got {type(sd).__name__}")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval"} - set(sd)
         if missing:
-            raise KeyError(f"stepper state_dict['scaler'] lacks {sorted(missing)}")
-        factor = float(sd["growth_factor"])
-        if not math.isclose(float(sd["backoff_factor"]) * factor, 1.0):
+            raise KeyError(f"{where} lacks {sorted(missing)}")
+        scale = _real(sd, "scale", where)
+        factor = _real(sd, "growth_factor", where)
+        backoff = _real(sd, "backoff_factor", where)
+        _validate.float32_magnitude(f"{where}['scale']", scale)
+        _validate.at_least(f"{where}['growth_factor']", factor, 1.0)
+        if not (math.isfinite(backoff) and math.isclose(backoff * factor, 1.0)):
             raise ValueError(
-                "stepper state_dict['scaler']: backoff_factor must be 1 / growth_factor, got "
+                f"{where}: backoff_factor must be 1 / growth_factor, got "
                 f"{sd['backoff_factor']!r} and {sd['growth_factor']!r}"
             )
-        return cls._dynamic_scale(
-            device,
-            float(sd["scale"]),
-            int(sd["growth_interval"]),
-            factor,
-            int(sd.get("_growth_tracker", 0)),
-        )
+        interval = _count(sd, "growth_interval", where, low=1)
+        tracker = _count(sd, "_growth_tracker", where)
+        if tracker >= interval:
+            raise ValueError(
+                f"{where}['_growth_tracker'] must be below growth_interval ({interval}), got "
+                f"{tracker}"
+            )
+        return cls._dynamic_scale(device, scale, interval, factor, tracker)
 
     @staticmethod
     def _total_loss(losses: Any) -> Tensor:
-        items = [v for k, v in losses.items() if isinstance(k, str) and k.startswith("loss")]
+        if not (isinstance(losses, Mapping) or _is_tensordict(losses)):
+            raise TypeError(
+                "trainer.compute_loss must return a mapping (a dict or a TensorDict) of loss "
+                f"tensors, got {type(losses).__name__}"
+            )
+        items = []
+        for key, value in losses.items():
+            if not (isinstance(key, str) and key.startswith("loss")):
+                continue
+            if not isinstance(value, Tensor) or not value.is_floating_point() or value.numel() != 1:
+                shown = (
+                    f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, Tensor)
+                    else f"a {type(value).__name__}"
+                )
+                raise TypeError(
+                    f"trainer.compute_loss returned {shown} for {key!r}: every 'loss*' entry "
+                    "must be a floating-point tensor with one element"
+                )
+            items.append(value)
         if not items:
             raise RuntimeError(
                 "compute_loss returned no 'loss*' keys: prefix the entries to optimise with "

@@ -8,6 +8,9 @@ into per-tensor scalars, so there is one division per element and no temporaries
 Every kernel is compiled with ``dynamic=True`` (one compilation serves every size) the first
 time it runs with a given signature, then called without ``torch._dynamo``'s per-call work
 (:class:`_Compiled`), and falls back to running eagerly, with a warning, if compilation fails.
+Only a failure to compile falls back, and only before the compiled code ran: an error raised
+while it runs (it may have written some of its outputs) surfaces as itself and the kernel stays
+compiled; an error in the arguments (a bad shape) surfaces as the error eager code raises.
 """
 
 from __future__ import annotations
@@ -205,6 +208,9 @@ class _Compiled:
         self._graphs = 0
         self._capture: _Capture | None = None
         self.direct: _Direct | None = None
+        self.started = False
+        """Whether the last call reached the compiled code (so it may have written outputs):
+        an error raised with ``started`` false came from tracing or compiling."""
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         # torch.compile's own default backend, looked up by name
@@ -214,11 +220,17 @@ class _Compiled:
         self.direct = None
         if self._graphs > 1 or self._capture is None:
             self._capture = None
-            return compiled
+
+            def run(*inputs: Any) -> Any:
+                self.started = True
+                return compiled(*inputs)
+
+            return run
         capture = self._capture
         capture.graph(gm, example_inputs)
 
         def first(*inputs: Any) -> Any:
+            self.started = True
             out = compiled(*inputs)
             if capture.args is not None:  # the compiling call: see what the outputs are
                 capture.outputs = out
@@ -230,10 +242,12 @@ class _Compiled:
     def __call__(self, *args: Any) -> Any:
         direct = self.direct
         if direct is not None and not _recorded(args):
+            self.started = True
             try:
                 return direct(args)
             except AssertionError:  # the graph's own size/stride check, before it ran
                 self.direct = None
+        self.started = False
         if self._graphs == 0 and not _recorded(args):
             self._capture = _Capture(args)
         try:
@@ -361,18 +375,31 @@ def compiled(fn: Callable[..., Any], *args: Any) -> _Compiled:
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` compiled (see :func:`compiled`); if compiling fails (no C++ compiler, an
-    unsupported device...), warn once and run it eagerly from then on. Inside a function that
-    ``torch.compile`` is tracing, ``fn`` itself is traced into the caller's graph."""
+    """Run ``fn`` compiled (see :func:`compiled`). Inside a function that ``torch.compile`` is
+    tracing, ``fn`` itself is traced into the caller's graph.
+
+    If compiling fails (no C++ compiler, an unsupported device...), ``fn`` runs eagerly: when
+    that succeeds the failure was the compiler's, so this warns once and runs ``fn`` eagerly from
+    then on; when eager raises too, the arguments are at fault and that error surfaces, the
+    compiled kernel still in use for later calls. An error raised once the compiled code has
+    started (which may have written part of its outputs) surfaces as itself: ``fn`` is never
+    run a second time on the same arguments."""
     if fn in _FAILED or torch.compiler.is_compiling():
         return fn(*args)
+    kernel: _Compiled | None = None
     try:
-        return compiled(fn, *args)(*args)
+        kernel = compiled(fn, *args)
+        return kernel(*args)
     except Exception as err:
-        _FAILED.add(fn)
-        warnings.warn(
-            f"functional_opt: torch.compile of {fn.__name__} failed ({err!r}); running it eagerly",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return fn(*args)
+        if kernel is not None and kernel.started:
+            raise
+        failure = err
+    # Nothing was written (the compiled code never ran): eager decides whose fault it was.
+    out = fn(*args)
+    _FAILED.add(fn)
+    warnings.warn(
+        f"functional_opt: torch.compile of {fn.__name__} failed ({failure!r}); running it eagerly",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return out
