@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
+from functional_opt.base import COUNT_DTYPE, safe_increment, zero_count
 from functional_opt.tree import PyTree
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite"]
@@ -52,8 +53,8 @@ class NoOpLossScale(_Frozen):
     def unscale(self, values: PyTree) -> PyTree:
         return values
 
-    def adjust(self, grads_finite: Tensor) -> NoOpLossScale:
-        del grads_finite
+    def adjust(self, grads_finite: Tensor | bool) -> NoOpLossScale:
+        _finite_flag(grads_finite)
         return self
 
     def __repr__(self) -> str:
@@ -61,14 +62,22 @@ class NoOpLossScale(_Frozen):
 
 
 class StaticLossScale(_Frozen):
-    """A fixed scale ``S``: ``scale(x) = x * S``, ``unscale(g) = g * (1 / S)``."""
+    """A fixed scale ``S``: ``scale(x) = x * S``, ``unscale(g) = g * (1 / S)``. ``S`` is a
+    float32 value: a positive normal float32 (``1.2e-38 <= S <= 3.4e38``), or a 0-d tensor."""
 
     __slots__ = ("loss_scale",)
     loss_scale: Tensor
 
     def __init__(self, scale: float | Tensor) -> None:
-        _validate.positive("scale", scale)
-        object.__setattr__(self, "loss_scale", torch.as_tensor(scale, dtype=torch.float32))
+        _validate.float32_magnitude("scale", scale)
+        object.__setattr__(self, "loss_scale", _scale_tensor(scale))
+
+    @classmethod
+    def _make(cls, loss_scale: Any) -> StaticLossScale:
+        """A loss scale around any child, unchecked (for pytree unflattening)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "loss_scale", loss_scale)
+        return out
 
     def scale(self, values: PyTree) -> PyTree:
         return _times(values, self.loss_scale)
@@ -76,12 +85,33 @@ class StaticLossScale(_Frozen):
     def unscale(self, values: PyTree) -> PyTree:
         return _times(values, _reciprocal(self.loss_scale))
 
-    def adjust(self, grads_finite: Tensor) -> StaticLossScale:
-        del grads_finite
+    def adjust(self, grads_finite: Tensor | bool) -> StaticLossScale:
+        _finite_flag(grads_finite)
         return self
 
     def __repr__(self) -> str:
         return f"StaticLossScale({self.loss_scale!r})"
+
+
+def _scale_tensor(scale: float | Tensor) -> Tensor:
+    return torch.as_tensor(scale, dtype=torch.float32)
+
+
+def _finite_flag(grads_finite: Tensor | bool) -> Tensor:
+    """``grads_finite`` as a 0-d bool tensor. Only a bool is accepted: casting a float tensor
+    to bool would read a NaN as ``True`` (finite)."""
+    if isinstance(grads_finite, bool):
+        return torch.tensor(grads_finite)
+    if not isinstance(grads_finite, Tensor) or grads_finite.dtype != torch.bool:
+        what = grads_finite.dtype if isinstance(grads_finite, Tensor) else type(grads_finite)
+        raise TypeError(
+            f"grads_finite must be a bool or a bool tensor (e.g. all_finite(grads)), got {what}"
+        )
+    if grads_finite.dim() != 0:
+        raise ValueError(
+            f"grads_finite must be 0-d, got a tensor of shape {tuple(grads_finite.shape)}"
+        )
+    return grads_finite
 
 
 def _reciprocal(scale: Tensor) -> Tensor:
@@ -92,9 +122,17 @@ def _reciprocal(scale: Tensor) -> Tensor:
 class DynamicLossScale(_Frozen):
     """A scale that backs off on overflow and grows while gradients stay finite.
 
-    ``adjust(finite)``: if finite, ``counter += 1`` and when it reaches ``period`` the scale is
-    multiplied by ``factor`` (if the result is finite) and ``counter = 0``; if not finite, the
-    scale becomes ``max(min_scale, scale / factor)`` and ``counter = 0``.
+    ``adjust(finite)``: if finite, ``counter += 1`` (saturating) and when it reaches ``period``
+    the scale is multiplied by ``factor`` (if the result is finite) and ``counter = 0``; if not
+    finite, the scale becomes ``max(min_scale, scale / factor)`` (but never larger than it was:
+    a scale below ``min_scale`` stays put) and ``counter = 0``.
+
+    Checked at construction: ``scale`` and ``min_scale`` are float32 values, so each must be a
+    positive normal float32 (``1.2e-38 <= x <= 3.4e38``: a scale that rounds to 0 or inf, or
+    whose reciprocal overflows, would turn every gradient into NaN/inf); ``period`` is compared with
+    the int32 ``counter``, so it is an integer in ``[1, 2**31 - 1]``; ``factor >= 1`` is finite.
+    ``counter`` (to resume) is ``None``, an integer in that range or a 0-d integer tensor. Tensor
+    arguments are checked for their shape and dtype only (their values are the caller's promise).
     """
 
     __slots__ = ("counter", "factor", "loss_scale", "min_scale", "period")
@@ -111,21 +149,43 @@ class DynamicLossScale(_Frozen):
         factor: float = 2.0,
         min_scale: float = 1.0,
         *,
-        counter: Tensor | None = None,
+        counter: Tensor | int | None = None,
     ) -> None:
-        _validate.positive("scale", scale)
-        _validate.int_at_least("period", period, 1)
+        _validate.float32_magnitude("scale", scale)
+        _validate.counter("period", period, 1)
         _validate.at_least("factor", factor, 1.0)
-        _validate.positive("min_scale", min_scale)
-        object.__setattr__(self, "loss_scale", torch.as_tensor(scale, dtype=torch.float32))
-        object.__setattr__(
-            self,
-            "counter",
-            torch.zeros((), dtype=torch.int32) if counter is None else torch.as_tensor(counter),
-        )
+        _validate.float32_magnitude("min_scale", min_scale)
+        if counter is None:
+            count = zero_count()
+        elif isinstance(counter, Tensor):
+            if counter.dim() != 0:
+                raise ValueError(f"counter must be 0-d, got shape {tuple(counter.shape)}")
+            if counter.is_floating_point() or counter.is_complex() or counter.dtype == torch.bool:
+                raise TypeError(f"counter must be an integer tensor, got {counter.dtype}")
+            count = counter
+        else:
+            _validate.counter("counter", counter)
+            count = torch.tensor(counter, dtype=COUNT_DTYPE)
+        self._set(_scale_tensor(scale), count, period, float(factor), float(min_scale))
+
+    def _set(
+        self, loss_scale: Tensor, counter: Tensor, period: int, factor: float, min_scale: float
+    ) -> None:
+        object.__setattr__(self, "loss_scale", loss_scale)
+        object.__setattr__(self, "counter", counter)
         object.__setattr__(self, "period", period)
-        object.__setattr__(self, "factor", float(factor))
-        object.__setattr__(self, "min_scale", float(min_scale))
+        object.__setattr__(self, "factor", factor)
+        object.__setattr__(self, "min_scale", min_scale)
+
+    @classmethod
+    def _make(
+        cls, loss_scale: Any, counter: Any, period: int, factor: float, min_scale: float
+    ) -> DynamicLossScale:
+        """A loss scale from checked settings and any children (no checks: pytree unflattening
+        rebuilds it around whatever leaves a tree map produced)."""
+        out = object.__new__(cls)
+        out._set(loss_scale, counter, period, factor, min_scale)
+        return out
 
     def scale(self, values: PyTree) -> PyTree:
         return _times(values, self.loss_scale)
@@ -133,18 +193,21 @@ class DynamicLossScale(_Frozen):
     def unscale(self, values: PyTree) -> PyTree:
         return _times(values, _reciprocal(self.loss_scale))
 
-    def adjust(self, grads_finite: Tensor) -> DynamicLossScale:
-        ok = torch.as_tensor(grads_finite, dtype=torch.bool)
-        counter = self.counter + 1
+    def adjust(self, grads_finite: Tensor | bool) -> DynamicLossScale:
+        ok = _finite_flag(grads_finite)
+        counter = safe_increment(self.counter)
         grow = counter >= self.period
         grown = self.loss_scale * self.factor
         grown = torch.where(torch.isfinite(grown), grown, self.loss_scale)
         on_finite = torch.where(grow, grown, self.loss_scale)
-        on_overflow = torch.clamp(self.loss_scale / self.factor, min=self.min_scale)
+        # Never above the old scale: a scale that starts below min_scale must not grow on an
+        # overflow (where min_scale <= scale this is max(min_scale, scale / factor) exactly).
+        backed_off = torch.clamp(self.loss_scale / self.factor, min=self.min_scale)
+        on_overflow = torch.minimum(backed_off, self.loss_scale)
         new_scale = torch.where(ok, on_finite, on_overflow)
         new_counter = torch.where(ok & ~grow, counter, torch.zeros_like(counter))
-        return DynamicLossScale(
-            new_scale, self.period, self.factor, self.min_scale, counter=new_counter
+        return DynamicLossScale._make(
+            new_scale, new_counter, self.period, self.factor, self.min_scale
         )
 
     def __repr__(self) -> str:
@@ -169,7 +232,7 @@ _register(
 _register(
     StaticLossScale,
     lambda s: ((s.loss_scale,), None, ("loss_scale",)),
-    lambda meta, children: StaticLossScale(children[0]),
+    lambda meta, children: StaticLossScale._make(children[0]),
     namespace=tree.NAMESPACE,
 )
 _register(
@@ -179,8 +242,6 @@ _register(
         (s.period, s.factor, s.min_scale),
         ("loss_scale", "counter"),
     ),
-    lambda meta, children: DynamicLossScale(
-        children[0], meta[0], meta[1], meta[2], counter=children[1]
-    ),
+    lambda meta, children: DynamicLossScale._make(children[0], children[1], *meta),
     namespace=tree.NAMESPACE,
 )

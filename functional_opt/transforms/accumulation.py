@@ -10,6 +10,7 @@ from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
 from functional_opt.base import (
+    COUNT_DTYPE,
     GradientTransformation,
     Params,
     Updates,
@@ -18,7 +19,7 @@ from functional_opt.base import (
     without_donation,
     zero_count,
 )
-from functional_opt.transforms.finite import select_tree
+from functional_opt.transforms.finite import negative_zeros_like, select_tree
 from functional_opt.tree import PyTree
 
 __all__ = ["MultiSteps", "MultiStepsState", "multi_steps"]
@@ -28,7 +29,8 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 class MultiStepsState(NamedTuple):
     """``mini_step`` within the window, ``gradient_step`` (inner updates so far), the inner
-    transform's state and the accumulated gradients ``acc_grads``."""
+    transform's state and the accumulated gradients ``acc_grads`` (the running mean of the
+    window so far, or its sum)."""
 
     mini_step: Tensor
     gradient_step: Tensor
@@ -36,13 +38,28 @@ class MultiStepsState(NamedTuple):
     acc_grads: PyTree
 
 
+def _eager(counter: Tensor) -> bool:
+    """Whether ``counter`` can be read in Python at all (eager mode, not inside ``vmap``)."""
+    return not torch.compiler.is_compiling() and not _is_wrapped(counter)
+
+
 def _can_branch(counter: Tensor) -> bool:
     """Whether reading ``counter`` in Python is free: eager mode, a plain CPU tensor."""
-    return (
-        not torch.compiler.is_compiling()
-        and not _is_wrapped(counter)
-        and counter.device.type == "cpu"
-    )
+    return _eager(counter) and counter.device.type == "cpu"
+
+
+def _nonzero(xs: list[Tensor]) -> list[bool]:
+    """For each tensor, whether it has an element that is not 0 (NaN counts): one host read per
+    device."""
+    flags = [torch.any(x != 0) for x in xs]
+    out: dict[int, bool] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    for index in by_device.values():
+        values = torch.stack([flags[i] for i in index]).tolist()
+        out.update(zip(index, map(bool, values), strict=True))
+    return [out[i] for i in range(len(flags))]
 
 
 class MultiSteps:
@@ -55,6 +72,34 @@ class MultiSteps:
     are computed and selected with ``torch.where``. Updates keep their dtype either way.
     The accumulator has the promoted dtype of ``accumulator_dtype`` and the param's (by default
     16-bit gradients accumulate in float32 and float64 ones stay float64).
+
+    The zero updates of a non-emitting mini-step are negative zeros, so ``apply_updates`` leaves
+    every param bit for bit as it was (``-0.0 + 0.0`` would be ``+0.0``).
+
+    **The window.** ``k`` is compared with the int32 ``mini_step``: an int ``every_k_schedule``
+    (or an int returned by a schedule, checked at each update) must be in ``[1, 2**31 - 1]``,
+    else ``ValueError``; a tensor returned by a schedule is the caller's promise (it is rounded
+    toward zero and clamped into that range, never read on the host). Each window's gradient is
+    emitted at the end of that window and never carried into the next: every leaf's accumulator
+    is cleared at each emission.
+
+    **``None`` gradients.** A ``None`` leaf on a mini-step counts as a zero gradient of that
+    mini-step: the mean is the sum of the leaf's gradients in the window divided by ``k`` (what
+    ``p.grad`` holds after ``k`` backward passes of ``loss / k``; the running mean is multiplied
+    by ``m / (m + 1)`` on such a mini-step), the sum is their sum. A leaf ``None`` on every
+    mini-step of a window emits ``None`` and ``opt``'s state for it is left as it was (a frozen
+    parameter). A leaf that is ``None`` on the emitting mini-step but has a nonzero accumulated
+    gradient (it had gradients earlier in the window) emits its window's mean (or sum) like any
+    other leaf: its update is a tensor although its gradient was ``None``. Telling the two apart
+    reads, on the emitting mini-step, whether those leaves' accumulators are nonzero: a host
+    read (one device sync for accelerator tensors), made only on an emitting mini-step with
+    ``None`` leaves. A leaf whose accumulated gradient is exactly 0 counts as having had none
+    (the state has no other record of it: its layout is optax's). Under ``torch.compile`` and
+    ``vmap`` nothing can be read and the structure of the updates follows the emitting
+    mini-step's: there a leaf ``None`` on the emitting mini-step emits ``None``, and the
+    gradients it had earlier in that window are dropped (cleared, never carried into the next
+    window). Traced code should keep each leaf's ``None`` pattern fixed within a window
+    (``None`` on every mini-step for a frozen parameter).
     """
 
     def __init__(
@@ -67,11 +112,13 @@ class MultiSteps:
         if not isinstance(opt, GradientTransformation):
             raise TypeError(f"opt must be a GradientTransformation, got {type(opt).__name__}")
         if not callable(every_k_schedule):
-            _validate.int_at_least("every_k_schedule", every_k_schedule, 1)
+            _validate.counter("every_k_schedule", every_k_schedule, 1)
             k = every_k_schedule
             self._every_k: Callable[[Tensor], int | Tensor] = lambda step: k
         else:
             self._every_k = every_k_schedule
+        _validate.boolean("use_grad_mean", use_grad_mean)
+        _validate.float_dtype("accumulator_dtype", accumulator_dtype)
         self._opt = opt
         self._use_grad_mean = use_grad_mean
         self._accumulator_dtype = accumulator_dtype
@@ -79,6 +126,20 @@ class MultiSteps:
     @property
     def inner_opt(self) -> GradientTransformation:
         return self._opt
+
+    def _window(self, gradient_step: Tensor) -> int | Tensor:
+        """``k`` for this window: a checked int, or an int32 tensor clamped into range."""
+        k = self._every_k(gradient_step)
+        if isinstance(k, Tensor):
+            if k.dim() != 0:
+                raise ValueError(
+                    f"every_k_schedule must return an int or a 0-d tensor, got shape "
+                    f"{tuple(k.shape)}"
+                )
+            top = _validate.counter_max()
+            return torch.clamp(k.to(torch.int64), 1, top).to(COUNT_DTYPE)
+        _validate.counter("every_k_schedule", k, 1)
+        return k
 
     def init(self, params: Params) -> MultiStepsState:
         want = self._accumulator_dtype
@@ -92,16 +153,23 @@ class MultiSteps:
     def update(
         self, updates: Updates, state: MultiStepsState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MultiStepsState]:
+        if not isinstance(state, MultiStepsState):
+            raise TypeError(f"MultiSteps expects a MultiStepsState, got {type(state).__name__}")
         g, at = tree.split(updates)
         old = at.take(state.acc_grads, "state.acc_grads")
-        k = self._every_k(state.gradient_step)
+        acc_all = at.flat(state.acc_grads, "state.acc_grads")
+        # Leaves without a gradient on this mini-step (that have an accumulator).
+        absent = [
+            i
+            for i, (u, a) in enumerate(zip(at.values, acc_all, strict=True))
+            if u is None and a is not None
+        ]
+        mini = state.mini_step
+        k = self._window(state.gradient_step)
         dtypes = _lists.promoted(old, g)
         acc_w, g_w = _lists.cast(old, dtypes), _lists.cast(g, dtypes)
-        if self._use_grad_mean:
-            n = (state.mini_step + 1).to(torch.float64)
-            step = _lists.div_scalar(_lists.sub(g_w, acc_w), n)
-        else:
-            step = g_w
+        n = safe_increment(mini).to(torch.float64)
+        step = _lists.div_scalar(_lists.sub(g_w, acc_w), n) if self._use_grad_mean else g_w
         # Donation: the old accumulator is never selected again, so it may take the new value.
         in_place = donating(extra) and _lists.use_foreach(acc_w)
         if in_place and acc_w and all(a is o for a, o in zip(acc_w, old, strict=True)):
@@ -109,39 +177,62 @@ class MultiSteps:
             acc = acc_w
         else:
             acc = _lists.add(acc_w, step)
-        emit = state.mini_step == k - 1
-        next_mini = safe_increment(state.mini_step) % k
+        emit = mini == k - 1
+        next_mini = safe_increment(mini) % k
         next_gradient = torch.where(emit, safe_increment(state.gradient_step), state.gradient_step)
-        acc_store = _lists.like(acc, old)
 
-        if _can_branch(state.mini_step) and not bool(emit):
+        # The new accumulators of every leaf. A None leaf adds a zero gradient to the running
+        # mean (acc <- acc * m / (m + 1)); the sum does not change.
+        running = list(acc_all)
+        for i, v in zip(at.index, _lists.like(acc, old), strict=True):
+            running[i] = v
+        first = _can_branch(mini) and not bool(mini)  # accumulators are 0 on a first mini-step
+        if absent and self._use_grad_mean and not first:
+            olds = [acc_all[i] for i in absent]
+            filled = _lists.like(_lists.mul(olds, mini.to(torch.float64) / n), olds)
+            for i, v in zip(absent, filled, strict=True):
+                running[i] = v
+        running_tree = tree.unflatten(at.spec, running)
+        cleared = tree.unflatten(
+            at.spec, [None if a is None else torch.zeros_like(a) for a in running]
+        )
+
+        # Host reads: free on a CPU counter; with None leaves also made on another device (one
+        # sync), since the updates' structure then depends on them. Never under compile or vmap.
+        branch = _can_branch(mini) or (bool(absent) and _eager(mini))
+        if branch and not bool(emit):
             # Eager mini-step: nothing is emitted, so the inner transform does not run.
-            zeros = at.updates(_lists.zeros_like(g))
+            zeros = at.updates(negative_zeros_like(g))
             return zeros, MultiStepsState(
-                next_mini,
-                next_gradient,
-                state.inner_opt_state,
-                at.carry(state.acc_grads, acc_store),
+                next_mini, next_gradient, state.inner_opt_state, running_tree
             )
 
-        branch = _can_branch(state.mini_step)
+        # The inner transform's input: the mean (or sum) of each leaf present on this mini-step
+        # and, in eager mode, of each None leaf with a nonzero accumulated gradient.
+        inner_in: list[Any] = [None] * len(at.values)
+        for i, v in zip(at.index, _lists.like(acc, g), strict=True):
+            inner_in[i] = v
+        if branch and absent:
+            pvals = None if params is None else at.flat(params, "params")
+            pending = [running[i] for i in absent]
+            for i, value, nonzero in zip(absent, pending, _nonzero(pending), strict=True):
+                if nonzero:
+                    ref = pvals[i] if pvals is not None and pvals[i] is not None else value
+                    inner_in[i] = value.to(ref.dtype)  # the dtype its gradient would have had
         inner_updates, inner_state = self._opt.update(
-            at.updates(_lists.like(acc, g)),
+            tree.unflatten(at.spec, inner_in),
             state.inner_opt_state,
             params,
             **(extra if branch else without_donation(extra)),  # the where-path keeps the old
         )
-        out, where = tree.split(inner_updates)
-        cleared = at.carry(state.acc_grads, _lists.zeros_like(acc_store))
         if branch:
-            return where.updates(out), MultiStepsState(
-                next_mini, next_gradient, inner_state, cleared
-            )
-        return where.updates(_lists.where(emit, out, _lists.zeros_like(out))), MultiStepsState(
+            return inner_updates, MultiStepsState(next_mini, next_gradient, inner_state, cleared)
+        out, where = tree.split(inner_updates)
+        return where.updates(_lists.where(emit, out, negative_zeros_like(out))), MultiStepsState(
             next_mini,
             next_gradient,
             select_tree(emit, inner_state, state.inner_opt_state),
-            select_tree(emit, cleared, at.carry(state.acc_grads, acc_store)),
+            select_tree(emit, cleared, running_tree),
         )
 
     def has_updated(self, state: MultiStepsState) -> Tensor:

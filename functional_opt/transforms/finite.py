@@ -17,7 +17,7 @@ from functional_opt.base import (
     zero_count,
 )
 
-__all__ = ["ApplyIfFiniteState", "apply_if_finite", "select_tree"]
+__all__ = ["ApplyIfFiniteState", "apply_if_finite", "negative_zeros_like", "select_tree"]
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -28,6 +28,12 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: Tensor
     total_notfinite: Tensor
     inner_state: Any
+
+
+def negative_zeros_like(xs: list[Tensor]) -> list[Tensor]:
+    """The update of a skipped step: ``-0.0`` shaped like each tensor. Adding it to any value
+    gives that value bit for bit (adding ``+0.0`` turns ``-0.0`` into ``+0.0``)."""
+    return [torch.full_like(x, -0.0) for x in xs]
 
 
 def select_tree(cond: Tensor, on_true: Any, on_false: Any) -> Any:
@@ -51,8 +57,18 @@ def apply_if_finite(
 
     A non-finite update yields zero updates and leaves the inner state unchanged, unless more than
     ``max_consecutive_errors`` non-finite updates came in a row (then it is applied).
+
+    The zero updates of a skipped step are negative zeros: ``p + (-0.0)`` is bitwise ``p`` for
+    every ``p`` (``-0.0 + 0.0`` would be ``+0.0``), so ``apply_updates`` leaves the params bit for
+    bit as they were, and the inner state is the old one bit for bit (NaN payloads included).
+
+    ``max_consecutive_errors`` is compared with the int32 ``notfinite_count``, so it must be an
+    integer in ``[0, 2**31 - 1]``; the counters saturate at ``2**31 - 1``, so with that maximum a
+    non-finite update is never applied.
     """
-    _validate.int_at_least("max_consecutive_errors", max_consecutive_errors, 0)
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__}")
+    _validate.counter("max_consecutive_errors", max_consecutive_errors)
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(
@@ -73,7 +89,7 @@ def apply_if_finite(
             updates, state.inner_state, params, **without_donation(extra)
         )
         out, where = tree.split(new_updates)
-        out = _lists.where(apply, out, _lists.zeros_like(out))
+        out = _lists.where(apply, out, negative_zeros_like(out))
         return where.updates(out), ApplyIfFiniteState(
             notfinite,
             finite,
