@@ -138,9 +138,10 @@ def test_swa_averaged_model_and_swalr(kind: str) -> None:
 
     averaged = [p.detach().clone() for p in swa_model.module.parameters()]
     for j, avg in enumerate(averaged):
-        exact = torch.stack([s[j].double() for s in snapshots]).mean(0)
-        # a running mean of k float32 values: each update rounds a few times
-        bound = 4 * len(snapshots) * EPS * float(exact.abs().max())
+        values = torch.stack([s[j].double() for s in snapshots])
+        # a running mean of k float32 values: each of its k updates rounds a few times
+        bound = 4 * len(snapshots) * EPS * float(values.abs().max())
+        exact = values.mean(0)
         assert float((avg.double() - exact).abs().max()) <= bound
     # the average is a copy: the live params do not share its storage, and further steps of
     # the live model leave it alone
