@@ -1,11 +1,13 @@
 """Build-time checks of hyperparameters.
 
-Python values are checked in full: their type, NaN/inf, their range, and for integers that meet
-a step counter, that they fit the counter's dtype (int32, :data:`functional_opt.base.COUNT_DTYPE`):
-a Python int compared with an int32 tensor is converted to int32 and wraps (``2**32 + 1`` becomes
-1), so an integer out of that range would silently mean something else. Tensors (injected
-hyperparameters, a loss scale's state) are checked only where that costs no device sync: they
-must be 0-d (their shape is metadata); their values are the caller's promise.
+Python values are checked in full: their type, NaN/inf, their range, that a float fits float32
+(the narrowest dtype the math runs in: a hyperparameter beyond ``3.4e38`` would be inf there),
+and for integers that meet a step counter, that they fit the counter's dtype (int32,
+``functional_opt.base.COUNT_DTYPE``): a Python int compared with an int32 tensor is converted to
+int32 and wraps (``2**32 + 1`` becomes 1), so an integer out of that range would silently mean
+something else. Tensors (injected hyperparameters, a loss scale's state) are checked only where
+that costs no device sync: they must be 0-d and real (shape and dtype are metadata); their
+values are the caller's promise.
 
 A value of the wrong type raises :class:`HyperparameterTypeError`, which is both a ``TypeError``
 and a ``ValueError``; a value of the right type out of range raises ``ValueError``. Every message
@@ -89,37 +91,49 @@ def _require(name: str, value: Any, ok: bool, what: str) -> None:
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-def finite(name: str, value: Any) -> None:
-    """Raises unless ``value`` is a finite number (or a 0-d tensor)."""
+def _real(name: str, value: Any) -> float | None:
+    """``value`` as a float after checking it is a finite number within float32's range, or
+    ``None`` for a 0-d tensor."""
     x = _number(name, value)
     if x is not None:
-        _require(name, value, math.isfinite(x), "finite")
+        _require(
+            name,
+            value,
+            math.isfinite(x) and abs(x) <= _F32.max,
+            f"finite, within float32's range (|x| <= {_F32.max:.4g})",
+        )
+    return x
+
+
+def finite(name: str, value: Any) -> None:
+    """Raises unless ``value`` is a finite number (or a 0-d tensor)."""
+    _real(name, value)
 
 
 def non_negative(name: str, value: Any) -> None:
     """Raises unless ``value`` is a finite number ``>= 0`` (or a 0-d tensor)."""
-    x = _number(name, value)
+    x = _real(name, value)
     if x is not None:
-        _require(name, value, math.isfinite(x) and x >= 0, "finite and >= 0")
+        _require(name, value, x >= 0, ">= 0")
 
 
 def positive(name: str, value: Any) -> None:
     """Raises unless ``value`` is a finite number ``> 0`` (or a 0-d tensor)."""
-    x = _number(name, value)
+    x = _real(name, value)
     if x is not None:
-        _require(name, value, math.isfinite(x) and x > 0, "finite and > 0")
+        _require(name, value, x > 0, "> 0")
 
 
 def at_least(name: str, value: Any, low: float) -> None:
     """Raises unless ``value`` is a finite number ``>= low`` (or a 0-d tensor)."""
-    x = _number(name, value)
+    x = _real(name, value)
     if x is not None:
-        _require(name, value, math.isfinite(x) and x >= low, f"finite and >= {low}")
+        _require(name, value, x >= low, f">= {low}")
 
 
 def unit_interval(name: str, value: Any) -> None:
     """Raises unless ``0 <= value < 1`` (a decay rate; or a 0-d tensor)."""
-    x = _number(name, value)
+    x = _real(name, value)
     if x is not None:
         _require(name, value, 0 <= x < 1, "in [0, 1)")
 

@@ -20,6 +20,11 @@ __all__ = ["adam", "adamw", "sgd"]
 LearningRate = float | Tensor | Schedule
 
 
+def _learning_rate(learning_rate: LearningRate) -> None:
+    if not callable(learning_rate) or isinstance(learning_rate, Tensor):
+        _validate.non_negative("learning_rate", learning_rate)
+
+
 def adam(
     learning_rate: LearningRate,
     b1: float | Tensor = 0.9,
@@ -31,7 +36,12 @@ def adam(
     nesterov: bool = False,
 ) -> GradientTransformation:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``, i.e.
-    ``u = -lr * mu_hat / (sqrt(nu_hat + eps_root) + eps)``."""
+    ``u = -lr * mu_hat / (sqrt(nu_hat + eps_root) + eps)``.
+
+    A number ``learning_rate`` must be finite and ``>= 0`` (as in ``torch.optim``)."""
+    _learning_rate(learning_rate)
+    _validate.float_dtype("mu_dtype", mu_dtype)
+    _validate.boolean("nesterov", nesterov)
     return chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
@@ -51,7 +61,12 @@ def adamw(
     nesterov: bool = False,
 ) -> GradientTransformation:
     """AdamW (decoupled weight decay):
-    ``u = -lr * (mu_hat / (sqrt(nu_hat + eps_root) + eps) + weight_decay * p)``."""
+    ``u = -lr * (mu_hat / (sqrt(nu_hat + eps_root) + eps) + weight_decay * p)``.
+
+    A number ``learning_rate`` must be finite and ``>= 0`` (as in ``torch.optim``)."""
+    _learning_rate(learning_rate)
+    _validate.float_dtype("mu_dtype", mu_dtype)
+    _validate.boolean("nesterov", nesterov)
     return chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
@@ -65,9 +80,15 @@ def sgd(
     nesterov: bool = False,
     accumulator_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
-    """SGD, with optional (Nesterov) momentum: ``m <- g + momentum * m``; ``u = -lr * m``."""
+    """SGD, with optional (Nesterov) momentum: ``m <- g + momentum * m``; ``u = -lr * m``.
+
+    A number ``learning_rate`` must be finite and ``>= 0`` (as in ``torch.optim``); ``momentum``
+    is ``None`` or in ``[0, 1)``."""
+    _learning_rate(learning_rate)
     if momentum is not None:
         _validate.unit_interval("momentum", momentum)
+    _validate.boolean("nesterov", nesterov)
+    _validate.float_dtype("accumulator_dtype", accumulator_dtype)
     return chain(
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),

@@ -22,7 +22,7 @@ from functional_opt.base import (
     donating_updates,
 )
 from functional_opt.schedules import Schedule
-from functional_opt.transforms.clipping import clip_by_agc
+from functional_opt.transforms.clipping import check_agc, clip_by_agc
 from functional_opt.transforms.moments import MomentDtype, ema, scale_by_rms
 from functional_opt.transforms.scaling import scale_by_learning_rate
 from functional_opt.transforms.weight_decay import add_decayed_weights
@@ -39,6 +39,14 @@ def _where(cond: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
     )
 
 
+def _check_schedule(lr: Number, warmup: Number, schedule: Any, anneal: Number) -> None:
+    _validate.non_negative("lr", lr)
+    _validate.counter("warmup", warmup)
+    _validate.counter("anneal", anneal)
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
 def dreamerv3_schedule(
     lr: Number,
     warmup: Number = 1000,
@@ -52,9 +60,12 @@ def dreamerv3_schedule(
     linearly to ``0.1 lr`` at ``s = T``; ``cosine`` gives
     ``lr * (0.9 * 0.5 * (1 + cos(pi * min(s, T) / T)) + 0.1)``. ``T <= 0`` gives ``lr``.
     Works with tensor hyperparameters (no Python branching on their values).
+
+    Checked: ``lr`` is a finite number ``>= 0`` and ``warmup``, ``anneal`` are integers in
+    ``[0, 2**31 - 1]`` (a later step is never reached by the int32 update counter), or 0-d
+    tensors (then the caller's promise).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _check_schedule(lr, warmup, schedule, anneal)
 
     def fn(count: int | Tensor) -> Tensor:
         t = torch.as_tensor(count).to(torch.float64)
@@ -104,21 +115,28 @@ def dreamerv3(
     ``u = -lr_t (mu / (1-b1^t) + wd p)``. ``nesterov`` uses ``b1 mu + (1-b1) r`` in place of
     ``mu``; ``momentum=False`` drops the ``mu`` step. Moments are float32 for 16-bit params.
 
+    Checked when built (``ValueError``, or ``HyperparameterTypeError`` for a wrong type, naming
+    the argument): ``lr``, ``weight_decay >= 0``; ``beta1``, ``beta2`` in ``[0, 1)``; ``eps`` a
+    positive normal float32 (``>= 1.2e-38``: moments are at least float32, where a smaller
+    ``eps`` is 0 and a zero gradient gives ``0 / 0 = NaN``, for good); ``agc >= 0`` and, unless
+    ``agc == 0``, ``pmin > 0`` with ``agc * pmin >= 1.2e-38`` (with a zero clipping bound a zero
+    param with a zero gradient gives NaN); ``warmup`` and ``anneal`` integers in
+    ``[0, 2**31 - 1]`` (the int32 update counter's range); ``momentum``/``nesterov`` bools.
+    Tensor hyperparameters (``inject_hyperparams``) are checked for their shape only.
+
     In eager mode on multi-tensor-ready lists the update runs as one fused function (the chain's
     ops, fewer passes and allocations, same result); elsewhere (``torch.compile``, ``vmap``, a
     ``weight_decay_mask``, an update autograd records) it runs the chain itself.
     """
-    _validate.non_negative("lr", lr)
-    _validate.non_negative("agc", agc)
-    _validate.non_negative("pmin", pmin)
+    _check_schedule(lr, warmup, schedule, anneal)
+    check_agc(agc, pmin, "agc")
     _validate.unit_interval("beta1", beta1)
     _validate.unit_interval("beta2", beta2)
-    _validate.non_negative("eps", eps)
-    _validate.int_at_least("warmup", warmup, 0)
-    _validate.int_at_least("anneal", anneal, 0)
+    _validate.float32_magnitude("eps", eps)
     _validate.non_negative("weight_decay", weight_decay)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _validate.boolean("momentum", momentum)
+    _validate.boolean("nesterov", nesterov)
+    _validate.boolean("_fused", _fused)
     static = isinstance(anneal, int) and isinstance(warmup, int)
     if schedule == "cosine" and static and anneal <= warmup:
         raise ValueError(

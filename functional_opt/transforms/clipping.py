@@ -9,7 +9,14 @@ from torch import Tensor
 from functional_opt import _lists, _validate, tree
 from functional_opt.base import GradientTransformation, Params, Updates, stateless
 
-__all__ = ["adaptive_grad_clip", "clip", "clip_by_agc", "clip_by_global_norm", "unitwise_norm"]
+__all__ = [
+    "adaptive_grad_clip",
+    "check_agc",
+    "clip",
+    "clip_by_agc",
+    "clip_by_global_norm",
+    "unitwise_norm",
+]
 
 
 def clip(max_delta: float | Tensor) -> GradientTransformation:
@@ -26,8 +33,11 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
     """``u -> u * min(1, max_norm / ||u||)`` with ``||u|| = sqrt(sum_i ||u_i||^2)`` over all
-    leaves (``None`` leaves ignored); unchanged when ``||u|| < max_norm``."""
-    _validate.positive("max_norm", max_norm)
+    leaves (``None`` leaves ignored); unchanged when ``||u|| < max_norm``.
+
+    ``max_norm`` is a positive normal float32 (``>= 1.2e-38``): norms are computed in at least
+    float32, where a smaller bound is 0 and a zero gradient would give ``0 / 0 = NaN``."""
+    _validate.float32_magnitude("max_norm", max_norm)
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         del params
@@ -103,11 +113,38 @@ def agc_factors_from_norms(
     return factor
 
 
+def check_agc(clip: float | Tensor, pmin: float | Tensor, clip_name: str = "clip") -> None:
+    """Checks ``clip_by_agc``'s arguments: ``clip >= 0``; where clipping can be on (``clip``
+    not a Python 0), ``pmin > 0`` with ``clip * pmin >= 1.2e-38`` (float32's smallest normal).
+    The bound ``clip * max(pmin, ||p||)`` is computed in at least float32: were it 0, a zero
+    param with a zero gradient would give ``0 / 0 = NaN``, for good."""
+    _validate.non_negative(clip_name, clip)
+    _validate.non_negative("pmin", pmin)
+    if isinstance(clip, (int, float)) and clip == 0:
+        return
+    if isinstance(pmin, (int, float)) and pmin == 0:
+        raise ValueError(
+            f"pmin must be > 0 unless {clip_name} == 0 (with pmin = 0 a zero param with a zero "
+            f"gradient gets a zero clipping bound and 0 / 0 = NaN), got pmin={pmin!r}, "
+            f"{clip_name}={clip!r}"
+        )
+    tiny = torch.finfo(torch.float32).tiny
+    if isinstance(clip, (int, float)) and isinstance(pmin, (int, float)) and clip * pmin < tiny:
+        raise ValueError(
+            f"{clip_name} * pmin must be >= {tiny!r} (float32's smallest normal number; the "
+            f"clipping bound would be 0 for a zero param), got {clip_name}={clip!r}, "
+            f"pmin={pmin!r}"
+        )
+
+
 def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> GradientTransformation:
     """DreamerV3's per-tensor adaptive clipping:
-    ``u -> u / max(1, ||u|| / (clip * max(pmin, ||p||)))``; ``clip=0`` disables it. Needs params."""
-    _validate.non_negative("clip", clip)
-    _validate.non_negative("pmin", pmin)
+    ``u -> u / max(1, ||u|| / (clip * max(pmin, ||p||)))``; ``clip=0`` disables it. Needs params.
+
+    ``pmin`` must be ``> 0`` unless ``clip == 0``, with ``clip * pmin >= 1.2e-38``: with a zero
+    bound a zero param with a zero gradient would get ``0 / 0 = NaN`` (see :func:`check_agc`).
+    """
+    check_agc(clip, pmin)
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         if isinstance(clip, (int, float)) and clip == 0:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from functional_opt import tree
+from functional_opt import _validate, tree
 from functional_opt.base import GradientTransformation, Params, Updates, safe_increment, zero_count
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
@@ -35,12 +35,57 @@ def _highest_float_dtype(params: Params) -> torch.dtype:
     return max([torch.float32, *dtypes], key=lambda d: torch.finfo(d).bits)
 
 
-def _as_tensor(value: Any, dtype: torch.dtype) -> Tensor:
+def _as_tensor(value: Any, dtype: torch.dtype, name: str = "value") -> Tensor:
     if isinstance(value, Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, float):
         return torch.tensor(value, dtype=dtype)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must fit an int64 tensor to be injected, got {value!r}")
     return torch.tensor(value, dtype=torch.int64)
+
+
+def _placeholder(value: Any) -> Any:
+    """What the factory is built with, at construction, for a schedule: a 0-d tensor (whose
+    value is not checked)."""
+    del value
+    return torch.zeros(())
+
+
+def _check_rounded(
+    factory: Callable[..., GradientTransformation],
+    fixed: dict[str, Any],
+    numeric: dict[str, Any],
+    schedules: dict[str, Any],
+    dtype: torch.dtype,
+) -> None:
+    """Builds ``factory`` with the Python floats of ``numeric`` rounded to ``dtype`` (the
+    dtype they are stored in): a value valid as given can become invalid there (``b2 =
+    0.99999999`` is 1.0 in float32, and then ``1 - b2**t`` is 0). Raises ``ValueError``
+    naming the first such value."""
+    rounded = {
+        k: torch.tensor(v, dtype=dtype).item() if isinstance(v, float) else v
+        for k, v in numeric.items()
+    }
+    changed = [k for k, v in numeric.items() if isinstance(v, float) and rounded[k] != v]
+    if not changed:
+        return
+    stand_ins = {k: _placeholder(v) for k, v in schedules.items()}
+    try:
+        factory(**fixed, **rounded, **stand_ins)
+    except ValueError as err:
+        culprits = changed
+        for k in changed:  # name the value that fails on its own, where one does
+            try:
+                factory(**fixed, **{**numeric, k: rounded[k]}, **stand_ins)
+            except ValueError:
+                culprits = [k]
+                break
+        raise ValueError(
+            f"{', '.join(f'{k}={numeric[k]!r}' for k in culprits)} rounds to "
+            f"{', '.join(repr(rounded[k]) for k in culprits)} in {dtype}, the dtype injected "
+            f"hyperparameters are stored in, which is invalid: {err}"
+        ) from err
 
 
 def inject_hyperparams(
@@ -54,8 +99,23 @@ def inject_hyperparams(
     ``static_args`` are schedules evaluated at ``state.count`` each update; bools, strings and
     ``static_args`` stay fixed. Floats use ``hyperparam_dtype`` (default: the params' widest
     float dtype, at least float32). Change a value by replacing it in ``state.hyperparams``.
+
+    Validation: the wrapped factory gets the plain factory's checks. Calling it builds
+    ``inner_factory`` once with the given values (schedules stand in as 0-d tensors), so a bad
+    Python value raises the factory's own error right there; ``init`` checks again with the
+    floats rounded to the dtype they are stored in (a decay of ``0.99999999`` is 1.0 in
+    float32). Tensors, given here or written into ``state.hyperparams`` later, and the values
+    of schedules are the caller's promise: reading them would sync with the device.
     """
-    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    _validate.function("inner_factory", inner_factory)
+    _validate.float_dtype("hyperparam_dtype", hyperparam_dtype)
+    if isinstance(static_args, str):
+        static = {static_args}
+    else:
+        static = set(static_args)
+        for name in static:
+            if not isinstance(name, str):
+                raise TypeError(f"static_args must be names (str), got {name!r}")
     signature = inspect.signature(inner_factory)
     unknown = static - set(signature.parameters)
     if unknown:
@@ -86,6 +146,9 @@ def inject_hyperparams(
                 numeric[name] = value
             else:
                 fixed[name] = value
+        # The plain factory's checks, on the values as given (a GradientTransformation that is
+        # not kept: building one only makes closures).
+        inner_factory(**fixed, **numeric, **{k: _placeholder(v) for k, v in schedules.items()})
 
         def current(
             count: Tensor, stored: dict[str, Tensor], dtype: torch.dtype
@@ -97,8 +160,10 @@ def inject_hyperparams(
 
         def init_fn(params: Params) -> InjectHyperparamsState:
             dtype = hyperparam_dtype or _highest_float_dtype(params)
+            if not torch.compiler.is_compiling():
+                _check_rounded(inner_factory, fixed, numeric, schedules, dtype)
             count = zero_count()
-            stored = {k: _as_tensor(v, dtype) for k, v in numeric.items()}
+            stored = {k: _as_tensor(v, dtype, k) for k, v in numeric.items()}
             values = current(count, stored, dtype)
             inner = inner_factory(**fixed, **values)
             return InjectHyperparamsState(count, values, inner.init(params))

@@ -28,7 +28,8 @@ class ScaleByScheduleState(NamedTuple):
 
 
 def scale(step_size: float | Tensor) -> GradientTransformation:
-    """``u -> step_size * u``."""
+    """``u -> step_size * u``. ``step_size`` is a finite number of either sign (float32's range)
+    or a 0-d tensor."""
     _validate.finite("step_size", step_size)
 
     def apply(updates: Updates, params: Params | None) -> Updates:
@@ -39,9 +40,11 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
-    """``u -> step_size_fn(t) * u`` with ``t`` the number of previous updates (from 0)."""
-    if not callable(step_size_fn):
-        raise ValueError(f"step_size_fn must be callable, got {step_size_fn!r}")
+    """``u -> step_size_fn(t) * u`` with ``t`` the number of previous updates (from 0).
+
+    ``t`` is the int32 ``count``, which saturates at ``2**31 - 1``. The schedule's values are
+    the caller's promise (reading them to check would sync with the device)."""
+    _validate.function("step_size_fn", step_size_fn)
 
     def init_fn(params: Params) -> ScaleByScheduleState:
         del params
@@ -61,10 +64,14 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 def scale_by_learning_rate(
     learning_rate: float | Tensor | Schedule, *, flip_sign: bool = True
 ) -> GradientTransformation:
-    """``u -> -lr * u`` (``+lr * u`` with ``flip_sign=False``); ``lr`` may be a schedule."""
+    """``u -> -lr * u`` (``+lr * u`` with ``flip_sign=False``); ``lr`` may be a schedule.
+
+    A number ``lr`` must be finite and ``>= 0`` (as ``torch.optim`` requires: the direction is
+    ``flip_sign``'s); a schedule's values are the caller's promise."""
+    _validate.boolean("flip_sign", flip_sign)
     sign = -1.0 if flip_sign else 1.0
-    if callable(learning_rate):
+    if callable(learning_rate) and not isinstance(learning_rate, Tensor):
         schedule = learning_rate
         return scale_by_schedule(lambda count: sign * torch.as_tensor(schedule(count)))
-    _validate.finite("learning_rate", learning_rate)
+    _validate.non_negative("learning_rate", learning_rate)
     return scale(sign * learning_rate)
