@@ -1,0 +1,245 @@
+"""The test suite's one rule for comparing floating-point results, and its shared pytest setup.
+
+Tolerance rule
+--------------
+Every numerical comparison in ``tests/`` is one of two kinds (see also ``tests/README.md``):
+
+1. **The same kernel on the same inputs: bit for bit** (:func:`assert_bitwise`). Pure vs donated
+   updates, a direct call of a compiled graph vs the dynamo-called one, a packed tree vs the
+   loose tree when both run one kernel: any difference is a bug, so no tolerance is allowed.
+   (NaNs must sit in the same places; their payloads are not compared.)
+
+2. **Two implementations of the same math: a bound derived from rounding**
+   (:func:`assert_close_rounding`). Compiled vs eager, fused vs chain, flat vs generic, ours vs
+   the float64 oracle. The bound is::
+
+       |actual - expected| <= ops * eps(dtype) * scale  (+ ops * eps(dtype) * tiny(dtype))
+
+   * ``eps(dtype)`` is ``torch.finfo(dtype).eps``, twice the unit roundoff ``u``: one correctly
+     rounded operation (``+ - * / sqrt``, a cast to ``dtype``) has relative error at most ``u``.
+   * ``ops`` counts the roundings to ``dtype`` on the way from the inputs to the compared value
+     (casts of a hyperparameter to ``dtype`` included), written at the call site with how it was
+     counted. If ``k`` roundings each err by at most ``u``, each implementation is within
+     ``k u`` (first order) of the exact value, so two of them are within ``2 k u = k eps``; one
+     compared with a float64 oracle is within ``k u`` plus the oracle's own (far smaller)
+     error, so the same ``k eps`` bound holds with room to spare. A sum of ``n`` terms counts
+     ``n`` roundings whatever its order (Higham, *Accuracy and Stability of Numerical
+     Algorithms*, 4.2), relative to the sum of the terms' magnitudes; a sequence of steps adds
+     the steps' counts (errors carried in state add up, decays only shrink them). Roundings in
+     a wider dtype inside a narrow computation (float32 moments of bfloat16 params) are counted
+     separately: ``ops={torch.bfloat16: 3, torch.float32: 20}``.
+   * ``scale`` is the magnitude of the terms the value is computed from: rounding errors are
+     relative to the terms, not to the result, which cancellation can make far smaller. By
+     default it is the largest magnitude in the expected tensor (a norm-wise bound per tensor,
+     the usual measure for a vector of parameters); a test whose values come from cancelling
+     terms passes the terms' magnitudes as a tensor (:func:`abs_run` computes them by running
+     the same math on absolute values, Higham's bound for sums and products).
+   * ``tiny(dtype)`` is the smallest normal number: below it the relative bound no longer holds
+     (gradual underflow), and each rounding may add an absolute ``eps * tiny``.
+
+   A count is never raised to make a test pass on one machine: if a bound derived this way
+   fails, either the count missed an operation (then the comment says which) or the code has
+   a bug.
+
+Second CPU code path
+--------------------
+``make test`` runs the tests marked ``numerics`` a second time with ``ATEN_CPU_CAPABILITY`` set
+(``Makefile``): ATen's eager kernels and inductor's generated C++ then use another vector ISA,
+so a tolerance tuned to one machine's rounding fails on the developer's machine too. Inductor's
+on-disk cache does not key its compiled graphs by that ISA (a graph compiled for AVX-512 and
+loaded under ``ATEN_CPU_CAPABILITY=avx2`` computes garbage), so this file gives each
+capability a cache directory of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import pytest
+
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # (before anything compiles: inductor reads the variable whenever it looks for its cache)
+    _user = os.environ.get("USER") or str(os.getuid())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{_user}_{_CAPABILITY}"
+    )
+
+import torch  # noqa: E402  (after the cache directory is chosen)
+
+NUMERICS = "numerics"
+"""The marker of tests whose results depend on the CPU's code path (kernels, fused, packed and
+flat DreamerV3 paths, compiled updates, oracle comparisons): ``make test`` runs them twice."""
+
+# Test modules that are numerics-sensitive but owned elsewhere: marked here until they carry
+# ``pytestmark = pytest.mark.numerics`` themselves.
+_NUMERICS_MODULES = frozenset({"test_flat_dreamerv3.py"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{NUMERICS}: results depend on the CPU code path (ATen/inductor vector ISA); "
+        "`make test` runs these again under ATEN_CPU_CAPABILITY (see tests/README.md)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    del config
+    for item in items:
+        if item.path.name in _NUMERICS_MODULES:
+            item.add_marker(NUMERICS)
+
+
+# --- the tolerance rule -------------------------------------------------------------------
+
+Ops = float | Mapping[torch.dtype, float]
+
+
+def eps(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).eps``: twice the unit roundoff of ``dtype``."""
+    return float(torch.finfo(dtype).eps)
+
+
+def rounding_bound(dtype: torch.dtype, ops: Ops, scale: float = 1.0) -> float:
+    """The rule's bound for one magnitude: ``sum(ops * eps) * scale`` plus the underflow term.
+    ``ops`` counts roundings to ``dtype``, or maps dtypes to their counts."""
+    counts = {dtype: float(ops)} if not isinstance(ops, Mapping) else dict(ops)
+    if any(n < 0 or not math.isfinite(n) for n in counts.values()):
+        raise ValueError(f"ops must be finite counts >= 0, got {ops!r}")
+    rel = sum(n * eps(dt) for dt, n in counts.items())
+    floor = sum(n * eps(dt) * float(torch.finfo(dt).tiny) for dt, n in counts.items())
+    return rel * scale + floor
+
+
+def _leaves(tree: Any) -> tuple[list[Any], Any]:
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x.to(torch.complex128) if x.is_complex() else x.to(torch.float64)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (NaNs mapped to one pattern)."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_floating_point():
+        return x
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    canonical = torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
+    return canonical.contiguous().view(ints)
+
+
+def assert_bitwise(actual: Any, expected: Any, msg: str = "") -> None:
+    """Rule 1: the same structure, ``None`` where ``expected`` has ``None``, and tensors of the
+    same dtype, shape and bits (signed zeros told apart; NaNs in the same places)."""
+    a_leaves, a_spec = _leaves(actual)
+    e_leaves, e_spec = _leaves(expected)
+    where = f"{msg}: " if msg else ""
+    assert a_spec == e_spec, f"{where}structure {a_spec} != {e_spec}"
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
+        if not isinstance(e, torch.Tensor):
+            assert type(a) is type(e) and a == e, f"{where}leaf {i}: {a!r} != {e!r}"
+            continue
+        assert isinstance(a, torch.Tensor), f"{where}leaf {i} is {a!r}, not a tensor"
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), (
+            f"{where}leaf {i}: {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+        )
+        a_bits, e_bits = _bits(a), _bits(e)
+        if not torch.equal(a_bits, e_bits):
+            diff = (a_bits != e_bits).nonzero()
+            first = tuple(diff[0].tolist())
+            pos = first[: a.dim()]
+            raise AssertionError(
+                f"{where}leaf {i}: {len(diff)} of {a_bits.numel()} values differ in their bits; "
+                f"first at {pos}: {a.detach()[pos].item()!r} vs {e.detach()[pos].item()!r}"
+            )
+
+
+def _scale_for(e: torch.Tensor, scale: Any) -> torch.Tensor:
+    if scale is None:  # norm-wise: the largest finite magnitude in the expected tensor
+        finite = e[torch.isfinite(e)].abs()
+        return finite.max() if finite.numel() else torch.zeros((), dtype=torch.float64)
+    if isinstance(scale, torch.Tensor):
+        return _wide(scale).abs()
+    return torch.tensor(abs(float(scale)), dtype=torch.float64)
+
+
+def assert_close_rounding(
+    actual: Any,
+    expected: Any,
+    *,
+    dtype: torch.dtype,
+    ops: Ops,
+    scale: Any = None,
+    check_dtype: bool = True,
+    msg: str = "",
+) -> None:
+    """Rule 2: ``|actual - expected| <= ops * eps(dtype) * scale`` per element (see the module
+    docstring for ``ops`` and ``scale``), compared in float64. ``actual``/``expected`` are
+    tensors or trees of them (``None`` leaves must match); ``scale`` is ``None`` (per tensor, its
+    largest expected magnitude), a number, a tensor broadcasting against the values, or a tree of
+    those matching ``expected``. NaNs must be in the same places and infinities equal.
+    ``check_dtype=False`` allows a reference in another dtype (a float64 oracle)."""
+    a_leaves, a_spec = _leaves(actual)
+    e_leaves, e_spec = _leaves(expected)
+    where = f"{msg}: " if msg else ""
+    assert a_spec == e_spec, f"{where}structure {a_spec} != {e_spec}"
+    if isinstance(scale, torch.Tensor) or scale is None or isinstance(scale, (int, float)):
+        scales = [scale] * len(e_leaves)
+    else:
+        scales, s_spec = _leaves(scale)
+        assert s_spec == e_spec, f"{where}scale's structure {s_spec} != {e_spec}"
+    for i, (a, e, s) in enumerate(zip(a_leaves, e_leaves, scales, strict=True)):
+        at = f"{where}leaf {i}" if len(e_leaves) > 1 else where.rstrip(": ") or "value"
+        if e is None:
+            assert a is None, f"{at}: expected None, got {a!r}"
+            continue
+        assert isinstance(a, torch.Tensor), f"{at}: {a!r} is not a tensor"
+        assert a.shape == e.shape, f"{at}: shape {list(a.shape)} != {list(e.shape)}"
+        if check_dtype:
+            assert a.dtype == e.dtype, f"{at}: dtype {a.dtype} != {e.dtype}"
+        x, y = _wide(a), _wide(e)
+        assert torch.equal(x.isnan(), y.isnan()), f"{at}: NaNs in other places"
+        inf = y.isinf()
+        assert torch.equal(x[inf], y[inf]) and not x[~inf].isinf().any(), f"{at}: infinities differ"
+        ok = torch.isfinite(y)
+        bound = rounding_bound(dtype, ops, 1.0)
+        floor = rounding_bound(dtype, ops, 0.0)
+        limit = (bound - floor) * _scale_for(y, s) + floor
+        err = (x - y).abs()
+        limit = torch.broadcast_to(limit, err.shape)
+        bad = ok & (err > limit)
+        if bad.any():
+            ratio = torch.where(ok, err / limit.clamp_min(floor or 1e-300), 0.0)
+            k = int(ratio.reshape(-1).argmax())
+            pos = tuple(torch.unravel_index(torch.tensor(k), err.shape)) if err.dim() else ()
+            pos = tuple(int(p) for p in pos)
+            raise AssertionError(
+                f"{at}: {int(bad.sum())} of {err.numel()} values outside the rounding bound "
+                f"(dtype={dtype}, ops={ops}); worst at {pos}: {x[pos].item()!r} vs "
+                f"{y[pos].item()!r}, |diff| {err[pos].item():.3g} > bound "
+                f"{limit[pos].item():.3g} ({ratio[pos].item():.3g}x)"
+            )
+
+
+def abs_run(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn`` run in float64 on the absolute values of its tensor arguments (trees allowed):
+    for math built from sums and products with nonnegative coefficients, plus divisions and
+    square roots of positive values, the result is the magnitude of the terms each output is
+    computed from, the ``scale`` of the rounding rule where results may cancel."""
+
+    def wide_abs(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().to(torch.float64).abs()
+        return x
+
+    return fn(*optree.tree_map(wide_abs, args, none_is_leaf=True))
