@@ -4,6 +4,11 @@ Random pytrees of float64 tensors, torch <-> JAX conversion, and a step-by-step 
 functional_opt transform with its optax namesake. JAX runs on the CPU with 64-bit floats enabled
 (set here, at import, before any array is made). Importing this module skips the importing test
 module when JAX or optax is not installed (they are the optional ``oracle`` extra).
+
+Tolerances follow ``tests/conftest.py``'s rule: ours and optax compute the same math in float64
+with other kernels, so their results agree to ``ops * eps(float64) * magnitude``, where ``ops``
+counts the roundings of one step (:data:`ELEMENTWISE_OPS` plus the norms' sums) times the steps
+run so far (errors carried in state add up).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 import optree
 import pytest
 import torch
+from conftest import assert_close_rounding
 
 import functional_opt as fo
 
@@ -24,9 +30,23 @@ jnp = pytest.importorskip("jax.numpy")
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_platforms", "cpu")
 
-RTOL = 1e-10
-ATOL = 1e-12
 STEPS = 12
+
+ELEMENTWISE_OPS = 32
+"""Roundings per element in one update of the longest elementwise chain compared here (adamw
+with Nesterov, ``eps_root``, weight decay and a cosine schedule: first moment 3, second 4, both
+bias corrections (power, difference, quotient: 3 each), the Nesterov mix 4, ``sqrt(v + eps_root)
++ eps`` 3, the quotient 1, weight decay 2, the schedule's cosine and arithmetic 5, the learning
+rate 1: 31, rounded up). Norms add their sums: see :func:`step_ops`."""
+
+
+def step_ops(params: Any) -> int:
+    """Roundings of one update of a transform on ``params``: :data:`ELEMENTWISE_OPS` plus a norm
+    over at most every element of the tree (a sum of ``n`` squares: ``n + 1`` roundings, which
+    the square root halves, and the quotient that makes a clip factor; counted as ``n + 2``)."""
+    n = sum(int(x.numel()) for x in optree.tree_leaves(params))
+    return ELEMENTWISE_OPS + n + 2
+
 
 # A small fixed pool of shapes: JAX caches its eager kernels per shape, so reusing the same few
 # shapes across tests keeps the oracle tests fast. Ranks 0-4, with size-1 axes for the
@@ -115,36 +135,69 @@ def optax_leaves(tree: Any) -> list[np.ndarray]:
     return [_as_np(x) for x in jax.tree.leaves(tree)]
 
 
+def absolute(tree: Any) -> Any:
+    """The tree with every floating-point tensor replaced by its absolute values."""
+    return optree.tree_map(lambda t: t.abs() if t.is_floating_point() else t, tree)
+
+
+def _scale(magnitude: np.ndarray | None, expected: torch.Tensor) -> torch.Tensor | None:
+    """The rule's ``scale`` for one leaf: the magnitude run's values where they are finite, the
+    leaf's largest finite magnitude elsewhere (a step whose values are non-finite in the
+    magnitude run), never less than the expected values."""
+    if magnitude is None:
+        return None
+    m = torch.from_numpy(np.array(magnitude)).to(torch.float64).abs()
+    e = expected.to(torch.float64).abs()
+    finite = torch.cat([m[torch.isfinite(m)], e[torch.isfinite(e)]])
+    fallback = finite.max() if finite.numel() else torch.zeros((), dtype=torch.float64)
+    return torch.maximum(torch.where(torch.isfinite(m), m, fallback), e.nan_to_num(0.0, 0.0, 0.0))
+
+
 def assert_leaves_close(
     ours: list[np.ndarray],
     theirs: list[np.ndarray],
     what: str,
-    rtol: float = RTOL,
-    atol: float = ATOL,
+    ops: float = ELEMENTWISE_OPS,
+    magnitudes: list[np.ndarray] | None = None,
 ) -> None:
+    """Integer leaves equal; float leaves of one dtype within ``ops`` roundings of it, relative
+    to ``magnitudes`` (the same values computed from absolute inputs: the terms' size, which
+    cancellation cannot shrink) or, without them, to each leaf's largest value."""
     assert len(ours) == len(theirs), f"{what}: {len(ours)} leaves vs optax's {len(theirs)}"
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+    mags = [None] * len(ours) if magnitudes is None else magnitudes
+    assert len(mags) == len(ours), f"{what}: {len(mags)} magnitudes for {len(ours)} leaves"
+    for i, (a, b, m) in enumerate(zip(ours, theirs, mags, strict=True)):
         assert a.shape == b.shape, f"{what}, leaf {i}: shape {a.shape} vs optax's {b.shape}"
         if a.dtype.kind in "biu" or b.dtype.kind in "biu":
             assert a.dtype.kind == b.dtype.kind, f"{what}, leaf {i}: {a.dtype} vs {b.dtype}"
             np.testing.assert_array_equal(a, b, err_msg=f"{what}, leaf {i}")
         else:
             assert a.dtype == b.dtype, f"{what}, leaf {i}: dtype {a.dtype} vs {b.dtype}"
-            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"{what}, leaf {i}")
+            x, y = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b))
+            assert_close_rounding(
+                x, y, dtype=x.dtype, ops=ops, scale=_scale(m, y), msg=f"{what}, leaf {i}"
+            )
 
 
-def assert_trees_close(ours: Any, theirs: Any, what: str, **tol: float) -> None:
-    """Same structure (as JAX sees it), shapes, dtypes and values."""
+def assert_trees_close(
+    ours: Any, theirs: Any, what: str, ops: float = ELEMENTWISE_OPS, magnitudes: Any = None
+) -> None:
+    """Same structure (as JAX sees it), shapes, dtypes and values (``magnitudes``: our tree
+    computed from absolute inputs, see :func:`assert_leaves_close`)."""
     ours_structure = jax.tree.structure(to_jax(ours))
     theirs_structure = jax.tree.structure(theirs)
     assert ours_structure == theirs_structure, f"{what}: {ours_structure} vs {theirs_structure}"
-    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, **tol)
+    mags = None if magnitudes is None else ours_leaves(magnitudes)
+    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags)
 
 
-def assert_states_close(ours: Any, theirs: Any, what: str, **tol: float) -> None:
+def assert_states_close(
+    ours: Any, theirs: Any, what: str, ops: float = ELEMENTWISE_OPS, magnitudes: Any = None
+) -> None:
     """The array leaves of the two states agree in order, shape, dtype and value (the
     containers may differ: e.g. ``None`` here where optax has a ``MaskedNode``)."""
-    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, **tol)
+    mags = None if magnitudes is None else ours_leaves(magnitudes)
+    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags)
 
 
 def compare_run(
@@ -158,36 +211,48 @@ def compare_run(
     apply: bool = True,
     jit: bool = False,
     before_step: Callable[[int, Any, Any], tuple[Any, Any]] | None = None,
-    after_step: Callable[[int, Any, Any], None] | None = None,
-    **tol: float,
+    after_step: Callable[[int, Any, Any, Any], None] | None = None,
+    ops_per_step: float | None = None,
 ) -> tuple[Any, Any]:
     """Runs ``ours`` and ``theirs`` (an optax transform) side by side on the same gradients.
 
     Both get the same params each step (ours, moved by our updates when ``apply``), so errors do
     not compound. Checks the updates after every step and, with ``check_state``, the states at
     init and after every step. ``before_step(step, our_state, optax_state)`` may return edited
-    states (e.g. a changed hyperparameter); ``after_step(step, our_state, optax_state)`` may add
-    checks.
+    states (e.g. a changed hyperparameter; it must be pure: it also edits the magnitude run's
+    state); ``after_step(step, our_state, optax_state, magnitude_state)`` may add checks.
     ``jit`` compiles optax's update once (for transforms built on ``lax.cond``, which eager JAX
-    would recompile on every call). Returns the final states.
+    would recompile on every call).
+
+    Tolerance (``tests/conftest.py``): after step ``t`` (from 0) values agree to
+    ``(t + 1) * ops_per_step`` roundings (default :func:`step_ops`) of the magnitude run's
+    values: ``ours`` run alongside on the absolute values of the gradients and params, whose
+    results are the sizes of the terms each value is a sum of (a moment that averages
+    gradients of both signs may be far smaller than the terms whose rounding it carries).
+    Returns the final states.
     """
     theirs_update = jax.jit(theirs.update) if jit else theirs.update
+    per_step = step_ops(params) if ops_per_step is None else ops_per_step
     s_o = ours.init(params)
+    s_m = ours.init(absolute(params))
     s_t = theirs.init(to_jax(params))
     if check_state:
-        assert_states_close(s_o, s_t, "initial state", **tol)
+        assert_states_close(s_o, s_t, "initial state", per_step, s_m)
     p = params
     for step, g in enumerate(grads):
+        ops = (step + 1) * per_step
         if before_step is not None:
+            s_m, _ = before_step(step, s_m, s_t)
             s_o, s_t = before_step(step, s_o, s_t)
         pj = to_jax(p)
         u_o, s_o = ours.update(g, s_o, p if pass_params else None)
+        u_m, s_m = ours.update(absolute(g), s_m, absolute(p) if pass_params else None)
         u_t, s_t = theirs_update(to_jax(g), s_t, pj if pass_params else None)
-        assert_trees_close(u_o, u_t, f"updates at step {step}", **tol)
+        assert_trees_close(u_o, u_t, f"updates at step {step}", ops, u_m)
         if check_state:
-            assert_states_close(s_o, s_t, f"state after step {step}", **tol)
+            assert_states_close(s_o, s_t, f"state after step {step}", ops, s_m)
         if after_step is not None:
-            after_step(step, s_o, s_t)
+            after_step(step, s_o, s_t, s_m)
         if apply:
             p = fo.apply_updates(p, u_o)
     return s_o, s_t
