@@ -107,7 +107,6 @@ def trainer(tmp_path: Path, epochs: int, **kwargs: Any) -> Any:
         "enable_checkpointing": False,
         "logger": False,
         "default_root_dir": tmp_path,
-        "deterministic": True,
     }
     options.update(kwargs)
     return pl.Trainer(**options)
