@@ -25,11 +25,15 @@ State layout (what ``state_dict()`` saves, in torch's own format):
 * **Hyperparameters** are the group's options (plain Python numbers, what LR schedulers read
   and write); before every step they are written with ``Tensor.fill_`` into the transform's
   injected hyperparameter tensors, which are rebuilt from the options rather than saved.
+  Options that are not plain data (functions) are not saved either: they come from the code
+  that built the optimizer. A ready-made transform's groups have an ``lr`` too, which scales its
+  updates relative to the learning rate it was built with (see :class:`TransformOptimizer`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
@@ -39,9 +43,10 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import required
 
-from functional_opt import _lists, tree
+from functional_opt import _lists, _validate, tree
 from functional_opt.base import GradientTransformation
 from functional_opt.checkpoint import state_paths
+from functional_opt.transforms.accumulation import MultiSteps
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
 __all__ = ["GROUP_STATE_KEY", "ParamSlots", "TransformOptimizer"]
@@ -70,6 +75,13 @@ optree.register_pytree_node(
     lambda _, children: ParamSlots(children),
     namespace=tree.NAMESPACE,
 )
+
+
+_UNSET = object()
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))
 
 
 def _is_slots(x: Any) -> bool:
@@ -111,6 +123,142 @@ def _short_names(paths: Sequence[tuple[str, ...]]) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# The learning rate of a ready-made transform.
+
+
+class _NoStepSize(Exception):
+    """The step size of a transform could not be found (the message says why)."""
+
+
+def _cells(fn: Any) -> dict[str, Any]:
+    """The closure variables of a Python function, by name."""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not closure:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, closure, strict=False):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.is_complex():
+            raise _NoStepSize(f"{what} is not a real 0-d tensor")
+        return float(value.detach().to(device="cpu", dtype=torch.float64))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _NoStepSize(f"{what} is a {type(value).__name__}")
+    return float(value)
+
+
+# The library's constructs, by (module, qualified name) of their ``update`` function: those that
+# return what the transform in one of their closure variables returns (their last stage), and
+# those that end in a constant factor.
+_LAST_STAGE = {
+    ("functional_opt.base", "named_chain.<locals>.update_fn"): "inner",
+    ("functional_opt.dreamerv3", "dreamerv3.<locals>.update_fn"): "reference",
+    # skipped steps give zero updates: still proportional to the inner transform's step size
+    ("functional_opt.transforms.finite", "apply_if_finite.<locals>.update_fn"): "inner",
+}
+_CHAIN = ("functional_opt.base", "chain.<locals>.update_fn")
+_STATELESS = ("functional_opt.base", "stateless.<locals>.update_fn")
+_SCALE = ("functional_opt.transforms.scaling", "scale.<locals>.apply")
+_SCHEDULED = ("functional_opt.transforms.scaling", "scale_by_schedule.<locals>.update_fn")
+_LR_SCHEDULE = ("functional_opt.transforms.scaling", "scale_by_learning_rate.<locals>.<lambda>")
+_DREAMERV3_SCHEDULE = ("functional_opt.dreamerv3", "dreamerv3_schedule.<locals>.fn")
+
+
+def _where(fn: Any) -> tuple[str, str]:
+    return str(getattr(fn, "__module__", "")), str(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def _step_size(tx: GradientTransformation) -> tuple[float, bool]:
+    """``(factor, whole)``: every update of ``tx`` is ``factor`` times a quantity that does not
+    depend on it, and ``whole`` says whether ``tx`` is nothing but that factor (then the stage
+    before it contributes too). Raises :class:`_NoStepSize`."""
+    fn = tx.update
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, MultiSteps) and getattr(fn, "__func__", None) is MultiSteps.update:
+        return _step_size(owner.inner_opt)[0], False  # emits 0 or the inner transform's update
+    where = _where(fn)
+    cells = _cells(fn)
+    if where == _CHAIN and isinstance(cells.get("transforms"), tuple):
+        total, found = 1.0, False
+        for member in reversed(cells["transforms"]):
+            try:
+                factor, whole = _step_size(member)
+            except _NoStepSize:
+                if found:
+                    return total, False
+                raise
+            total, found = total * factor, True
+            if not whole:
+                return total, False
+        if not found:
+            raise _NoStepSize("it is an empty chain")
+        return total, True
+    if where in _LAST_STAGE and isinstance(cells.get(_LAST_STAGE[where]), GradientTransformation):
+        return _step_size(cells[_LAST_STAGE[where]])[0], False
+    if where == _STATELESS and _where(cells.get("fn")) == _SCALE:
+        step = _cells(cells["fn"]).get("step_size")
+        return _number(step, "the step size of its scale stage"), True
+    if where == _SCHEDULED:
+        schedule = cells.get("step_size_fn")
+        if _where(schedule) == _LR_SCHEDULE:
+            inner = _cells(schedule)
+            if _where(inner.get("schedule")) == _DREAMERV3_SCHEDULE:
+                # lr times a warm-up and decay factor that do not depend on lr
+                lr = _number(_cells(inner["schedule"]).get("lr"), "dreamerv3's lr")
+                return _number(inner.get("sign"), "its sign") * lr, False
+        raise _NoStepSize(
+            "its learning rate is a schedule built into it, which group['lr'] cannot rescale"
+        )
+    name = where[1] if where[0].startswith("functional_opt") else f"{where[0]}.{where[1]}"
+    raise _NoStepSize(f"its last stage ({name}) is not a constant learning-rate scaling")
+
+
+def _learning_rate(tx: GradientTransformation, owner: str) -> float:
+    """The learning rate a ready-made ``tx`` was built with: the magnitude of the constant
+    factor of its last stage(s); raises ``ValueError`` (saying how to write it) if none."""
+    try:
+        factor = abs(_step_size(tx)[0])
+        if not (math.isfinite(factor) and factor > 0):
+            raise _NoStepSize(f"its learning rate is {factor}")
+    except _NoStepSize as why:
+        raise ValueError(
+            f"{owner}: cannot find the learning rate of this transform ({why}), so param "
+            "groups' 'lr' (what LR schedulers set) could not drive its step. Pass a factory and "
+            "its options instead, e.g. TransformOptimizer(params, fo.adam, lr=1e-3) (then any "
+            "factory argument is a group option), or end the transform in a constant learning "
+            "rate, e.g. fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-3)) or "
+            "fo.chain(..., fo.scale_by_learning_rate(1e-3)); schedule it with torch.optim."
+            "lr_scheduler rather than a schedule inside the transform."
+        ) from None
+    return factor
+
+
+# --------------------------------------------------------------------------------------------
+# Plain data in checkpoints.
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` is tensors and plain data only (what ``torch.load(weights_only=True)``
+    reads back): never a function or another object."""
+    if isinstance(value, (Tensor, *_PLAIN_SCALARS)):
+        return True
+    if type(value) in (list, tuple, torch.Size):
+        return all(_is_plain(v) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
+    return False
+
+
 @dataclass
 class _Slot:
     """One leaf of the state structure with ``ParamSlots`` nodes kept whole."""
@@ -135,27 +283,60 @@ class _Layout:
     param_template: list[dict[str, Tensor]]  # per param: state name -> meta tensor
     group_template: dict[str, Tensor]
     scratch: dict[str, Tensor] = field(default_factory=dict)
+    checked: dict[str, Any] = field(default_factory=dict)  # numeric option -> value validated
 
 
 class TransformOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a ``GradientTransformation``.
 
-    ``transform_or_factory`` is a transform (used as is for every group) or a factory such as
-    ``functional_opt.adam`` or ``functional_opt.dreamerv3``. With a factory, the optimizer's
-    options are the factory's arguments (``defaults`` overrides their defaults; a param-group dict
-    overrides both), except that ``learning_rate`` is exposed as ``lr`` (as in torch.optim, so
-    LR schedulers find it; ``learning_rate=`` is accepted and stored as ``lr``); each group runs
-    ``inject_hyperparams(factory, static_args=<non-numeric options>)(**options)``, and before
-    every step its numeric options (``group["lr"]`` as set by any ``torch.optim.lr_scheduler``)
-    are written into the injected hyperparameter tensors in place. A list option with one entry
-    per param (a mask) and a callable option's list result are passed to the transform as
+    ``transform_or_factory`` is a factory such as ``functional_opt.adam`` or
+    ``functional_opt.dreamerv3``, or a ready-made transform (used as is for every group).
+
+    **A factory**: the optimizer's options are the factory's arguments (``defaults`` overrides
+    their defaults; a param-group dict overrides both), except that ``learning_rate`` is exposed
+    as ``lr`` (as in torch.optim, so LR schedulers find it; ``learning_rate=`` is accepted and
+    stored as ``lr``); a factory without a learning-rate argument is refused (``TypeError``).
+    Each group runs ``inject_hyperparams(factory, static_args=<non-numeric options>)(**options)``,
+    and before every step its numeric options (``group["lr"]`` as set by any
+    ``torch.optim.lr_scheduler``) are checked as the factory checks them (when they changed) and
+    written into the injected hyperparameter tensors in place. A list option with one entry per
+    param (a mask) and a callable option's list result are passed to the transform as
     :class:`ParamSlots`, i.e. with the structure of the group's params.
+
+    **A ready-made transform** takes no options, but its groups have an ``lr`` all the same:
+    the learning rate it was built with (``fo.adam(1e-3)``: ``1e-3``), found at construction as
+    the constant factor its updates end with: the step size of a final ``scale`` (what
+    ``scale_by_learning_rate`` and the aliases end with; several trailing ones multiply), or
+    dreamerv3's ``lr`` (its warm-up and decay are factors on top), through ``chain``,
+    ``named_chain``, ``apply_if_finite`` and ``MultiSteps``. A step then applies
+    ``p <- p + (group["lr"] / built_lr) * u``: the update of the transform built with
+    ``group["lr"]`` (to float32 rounding; bit for bit while the two are equal), so LR schedulers,
+    a param-group ``"lr"`` and ``lr = 0`` (params frozen) drive it. A transform whose learning
+    rate cannot be found that way (no constant factor at its end, a schedule built into it, a
+    ``masked``/``partition`` whose other leaves are not scaled) raises ``ValueError`` at
+    construction saying how to write it: pass the factory, or end the transform in a constant
+    learning rate. ``group["lr"]`` is never silently ignored.
 
     ``step`` computes ``u = tx.update(g, state, params)`` with ``g = p.grad`` (``None`` for a
     param without a gradient: no update, its state carried, counters still advance) and applies
     ``p <- p + u``. Each group keeps its own update counters; a step where no param has a
-    gradient raises ``RuntimeError``. Subclasses may set :attr:`options`, :attr:`state_names`,
-    :attr:`group_defaults` and :attr:`upcast_16bit_grads`.
+    gradient raises ``RuntimeError``.
+
+    **Nothing half-done.** ``add_param_group`` checks the new group (its options, by building
+    its transform, and any group-level state it brings) before adding it. ``step`` checks every
+    group's options and gradients (sparse, or shaped unlike their param) before any group
+    changes, so a bad group raises with every param and all state as they were; state created
+    for params on their first gradient is dropped again if their update raises. (An exception
+    raised inside a transform's own update after these checks, e.g. a user's transform failing,
+    can still leave state it already wrote in place.) ``load_state_dict`` checks everything first.
+
+    **Checkpoints** hold tensors and plain data only (``torch.load(weights_only=True)``): options
+    that are not plain data (a ``mask`` function) are left out of ``state_dict()`` and
+    ``load_state_dict`` keeps this optimizer's values for them, i.e. rebuilds them from the code
+    that constructed it, as torch.optim does with what it does not save.
+
+    Subclasses may set :attr:`options`, :attr:`state_names`, :attr:`group_defaults` and
+    :attr:`upcast_16bit_grads`.
     """
 
     options: ClassVar[Mapping[str, str] | None] = None
@@ -178,6 +359,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self._layouts: list[_Layout | None] = []
+        self._base_lr: float | None = None
         if isinstance(transform_or_factory, GradientTransformation):
             self._factory: Callable[..., GradientTransformation] | None = None
             self._transform: GradientTransformation | None = transform_or_factory
@@ -185,13 +367,23 @@ class TransformOptimizer(torch.optim.Optimizer):
             if defaults:
                 raise TypeError(
                     f"{type(self).__name__}: options {sorted(defaults)} need a factory (e.g. "
-                    "functional_opt.adam); a ready-made transform has its hyperparameters built in"
+                    "functional_opt.adam); a ready-made transform has its hyperparameters built "
+                    "in (its param groups' 'lr' scales its step)"
                 )
-            all_defaults: dict[str, Any] = {}
+            self._base_lr = _learning_rate(transform_or_factory, type(self).__name__)
+            all_defaults: dict[str, Any] = {"lr": self._base_lr}
         elif callable(transform_or_factory):
             self._factory = transform_or_factory
             self._transform = None
             self._option_args, factory_defaults = self._factory_options(transform_or_factory)
+            if "lr" not in self._option_args:
+                raise TypeError(
+                    f"{type(self).__name__}: the factory {_name(transform_or_factory)} has no "
+                    "learning-rate argument (learning_rate or lr), so param groups' 'lr' (what LR "
+                    "schedulers set) could not drive its step; use a factory that takes one (e.g. "
+                    "fo.adam), or pass a ready-made transform that ends in a constant learning "
+                    "rate"
+                )
             self._rename_learning_rate(defaults)
             unknown = sorted(set(defaults) - set(self._option_args))
             if unknown:
@@ -257,19 +449,51 @@ class TransformOptimizer(torch.optim.Optimizer):
     ) -> tuple[GradientTransformation, dict[str, str]]:
         if self._factory is None:
             assert self._transform is not None
+            self._check_lr(group)
             return self._transform, {}
         factory = self._factory
-        args = {arg: self._adapt(group[option], n) for option, arg in self._option_args.items()}
+        args = self._validate_options(group, n)
         static = [arg for arg, value in args.items() if not _is_number(value)]
-        try:  # Build once from the plain values: the factory validates them.
-            factory(**args)
+        numeric = {o: a for o, a in self._option_args.items() if a not in static}
+        tx = inject_hyperparams(factory, static_args=static, hyperparam_dtype=HYPERPARAM_DTYPE)
+        return tx(**args), numeric
+
+    def _validate_options(self, group: dict[str, Any], n: int) -> dict[str, Any]:
+        """The factory's arguments for ``group``; the factory is built from them once, which
+        validates them (``ValueError`` naming the option)."""
+        assert self._factory is not None
+        args = {arg: self._adapt(group[option], n) for option, arg in self._option_args.items()}
+        try:
+            self._factory(**args)
         except ValueError as err:
             renamed = {o: a for o, a in self._option_args.items() if o != a}
             note = f" (options map to arguments as {renamed})" if renamed else ""
             raise ValueError(f"{type(self).__name__}: {err}{note}") from err
-        numeric = {o: a for o, a in self._option_args.items() if a not in static}
-        tx = inject_hyperparams(factory, static_args=static, hyperparam_dtype=HYPERPARAM_DTYPE)
-        return tx(**args), numeric
+        return args
+
+    def _check_lr(self, group: Mapping[str, Any]) -> None:
+        """A ready-made transform's group ``lr``: a finite number ``>= 0`` (or a 0-d tensor)."""
+        if "lr" not in group:
+            raise ValueError(f"{type(self).__name__}: a param group has no 'lr'")
+        try:
+            _validate.non_negative("lr", group["lr"])
+        except ValueError as err:
+            raise type(err)(f"{type(self).__name__}: param group {err}") from None
+
+    def _check_values(self, layout: _Layout, group: dict[str, Any]) -> None:
+        """Checks the group's numeric options before a step: a value that changed since it
+        was last checked (an LR scheduler's, a user's) is validated as the factory does."""
+        if self._factory is None:
+            self._check_lr(group)
+            return
+        checked = layout.checked
+        for option in layout.numeric:
+            value, old = group[option], checked.get(option, _UNSET)
+            if value is old or (not isinstance(value, Tensor) and _same(value, old)):
+                continue
+            self._validate_options(group, len(layout.stand_ins))
+            layout.checked = {o: group[o] for o in layout.numeric}
+            return
 
     @staticmethod
     def _adapt(value: Any, n: int) -> Any:
@@ -354,6 +578,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             stand_ins=stand_ins,
             param_template=param_template,
             group_template=group_template,
+            checked={option: group[option] for option in numeric},
         )
 
     def _layout(self, index: int, group: dict[str, Any]) -> _Layout:
@@ -373,6 +598,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                 )
             )
         ):
+            self._check_values(layout, group)
             return layout
         layout = self._build_layout(group)
         self._check_param_states(layout, {p: self.state.get(p, {}) for p in group["params"]})
@@ -449,11 +675,36 @@ class TransformOptimizer(torch.optim.Optimizer):
     # Param groups, step, checkpoints.
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch semantics); its options are validated by building its transform."""
+        """Add a group (torch semantics). Everything is checked first (its options, by building
+        its transform, and any group-level state it brings): a bad group raises and is not
+        added."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         self._rename_learning_rate(param_group)
-        super().add_param_group(param_group)
+        params = param_group.get("params")
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set) or params is None:
+            raise TypeError(
+                "optimizer params need to be organized in ordered collections, but the ordering "
+                f"of tensors in sets will change between runs; got {type(params).__name__}"
+            )
+        params = param_group["params"] = list(params)
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
+        missing = [k for k, v in self.defaults.items() if v is required and k not in param_group]
+        if missing:
+            raise ValueError(
+                "parameter group didn't specify a value of required optimization parameter "
+                f"{missing[0]}"
+            )
+        candidate = {**self.defaults, **param_group}
+        layout = self._build_layout(candidate)
+        self._init_group_state(dict(candidate), layout, existing=False)
+        super().add_param_group(param_group)  # its own checks come before it adds the group
         group = self.param_groups[-1]
-        layout = self._build_layout(group)
+        layout.group = group
         self._init_group_state(group, layout, existing=False)
         while len(self._layouts) < len(self.param_groups):
             self._layouts.append(None)
@@ -479,9 +730,32 @@ class TransformOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
             raise RuntimeError(f"{type(self).__name__}.step: no parameter has a gradient")
-        for index, group in enumerate(self.param_groups):
+        groups = self.param_groups
+        # All or nothing: every group is checked before any group changes. The first group's
+        # own step checks it before it changes anything, so it is not checked twice.
+        for index in range(1, len(groups)):
+            self._check_group(index, groups[index])
+        for index, group in enumerate(groups):
             self._step_group(index, group)
         return loss
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """Raises if stepping ``group`` would fail on its options or gradients (called for
+        every group before any group steps); changes nothing."""
+        self._layout(index, group)
+        for j, p in enumerate(group["params"]):
+            self._check_grad(index, j, p, p.grad)
+
+    def _check_grad(self, index: int, j: int, p: Tensor, g: Tensor | None) -> None:
+        if g is None:
+            return
+        if g.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the gradient of parameter {j} of param group {index} "
+                f"has shape {tuple(g.shape)}, its parameter {tuple(p.shape)}"
+            )
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         layout = self._layout(index, group)
@@ -491,15 +765,37 @@ class TransformOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(params):
             g = p.grad
             if g is not None:
-                if g.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if g.is_sparse or g.shape != p.shape:
+                    self._check_grad(index, j, p, g)
                 if self.upcast_16bit_grads and g.dtype in (torch.float16, torch.bfloat16):
                     g = g.float()
                 if len(self.state.get(p, ())) != len(layout.param_template[j]):
                     need.append(j)
             grads.append(g)
         if need:
-            self._init_param_states(layout, params, need)
+            try:
+                self._init_param_states(layout, params, need)
+            except BaseException:
+                self._drop_param_states(params, need)
+                raise
+        try:
+            self._update_group(layout, group, params, grads)
+        except BaseException:
+            if need:  # the state created for this step: as it was, none
+                self._drop_param_states(params, need)
+            raise
+
+    def _drop_param_states(self, params: list[Tensor], need: list[int]) -> None:
+        for j in need:
+            self.state.pop(params[j], None)
+
+    def _update_group(
+        self,
+        layout: _Layout,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor | None],
+    ) -> None:
         for option, arg in layout.numeric.items():
             layout.hyper[arg].fill_(group[option])
         group_state = self._group_state_in(group, layout)
@@ -548,30 +844,66 @@ class TransformOptimizer(torch.optim.Optimizer):
         new_updates = tree.leaves(updates)
         present = [(p, u) for p, u in zip(params, new_updates, strict=True) if u is not None]
         if present:
-            torch._foreach_add_(*_local_pairs([p for p, _ in present], [u for _, u in present]))
+            ps, us = _local_pairs([p for p, _ in present], [u for _, u in present])
+            ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
+            if isinstance(ratio, Tensor):  # a tensor lr: no host read
+                torch._foreach_add_(ps, [u * ratio.to(u.device) for u in us])
+            elif ratio == 1.0:
+                torch._foreach_add_(ps, us)
+            else:
+                torch._foreach_add_(ps, us, alpha=ratio)
         self._group_state_out(group, layout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``, holding tensors and plain data only: a group option that is
+        not plain data (a function, e.g. a ``mask``, or another object) is left out, as it cannot
+        be loaded with ``torch.load(weights_only=True)``; :meth:`load_state_dict` takes it from
+        this optimizer's groups, i.e. from the code that built the optimizer."""
+        sd = super().state_dict()
+        sd["param_groups"] = [
+            {k: v for k, v in group.items() if k == "params" or _is_plain(v)}
+            for group in sd["param_groups"]
+        ]
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint in torch's layout (see the module docstring).
 
         Everything is checked against this optimizer's transforms before anything changes; the
         state tensors are copied (never aliased) and keep the transform's dtypes (e.g. float32
-        moments of bfloat16 params), not torch's default cast to the param's dtype.
+        moments of bfloat16 params), not torch's default cast to the param's dtype. Options the
+        checkpoint leaves out because they are not plain data (see :meth:`state_dict`) keep this
+        optimizer's values.
         """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError("an optimizer state dict has 'state' and 'param_groups' entries")
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"])
-            for s, g in zip(saved_groups, self.param_groups, strict=True)
+        if (
+            not isinstance(saved_groups, (list, tuple))
+            or not isinstance(saved_state, dict)
+            or len(saved_groups) != len(self.param_groups)
+            or any(
+                not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"])
+                for s, g in zip(saved_groups, self.param_groups, strict=True)
+            )
         ):
             raise ValueError("loaded state dict does not match the optimizer's param groups")
         originals: dict[Tensor, Mapping[str, Tensor]] = {}
         candidates = []
+        kept: list[dict[str, Any]] = []  # per group: options taken from this optimizer
+        options = set(self._option_args) | ({"lr"} if self._factory is None else set())
         for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            missing = sorted(set(self._option_args) - set(saved))
+            keep = {
+                k: group[k]
+                for k in options - set(saved)
+                if k in group and (not _is_plain(group[k]) or self._factory is None)
+            }
+            missing = sorted(options - set(saved) - set(keep))
             if missing:
                 raise ValueError(f"a loaded param group lacks the options {missing}")
-            candidate = {**saved, "params": group["params"]}
+            kept.append(keep)
+            candidate = {**keep, **saved, "params": group["params"]}
             layout = self._build_layout(candidate)
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 originals[p] = saved_state.get(pid, {})
@@ -580,7 +912,9 @@ class TransformOptimizer(torch.optim.Optimizer):
             candidates.append(layout)
         super().load_state_dict(state_dict)
         self._layouts = []
-        for layout, group in zip(candidates, self.param_groups, strict=True):
+        for layout, group, keep in zip(candidates, self.param_groups, kept, strict=True):
+            for key, value in keep.items():
+                group.setdefault(key, value)
             layout.group = group
             self._init_group_state(group, layout, existing=True)
             for j, p in enumerate(group["params"]):
@@ -600,12 +934,16 @@ class TransformOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(
-            _factory=self._factory, _transform=self._transform, _option_args=self._option_args
+            _factory=self._factory,
+            _transform=self._transform,
+            _option_args=self._option_args,
+            _base_lr=self._base_lr,
         )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_base_lr", None)
         self._layouts = []
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 import functional_opt as fo
 from functional_opt import _kernels
 from functional_opt.adapters import (
+    DreamerV3Optimizer,
     MixedPrecisionOptimizationStepper,
     TransformOptimizer,
 )
@@ -302,3 +303,109 @@ def test_a_compile_failure_falls_back_once_before_any_write(
     assert fn in _kernels._FAILED
     _kernels.call(fn, x, y)  # eager from now on, without a warning
     assert torch.equal(x, 2 * y)
+
+
+# ------------------------------------------------------------------------------------------
+# TransformOptimizer: add_param_group and step are all or nothing
+
+
+def two_group_optimizer(kind: str) -> tuple[torch.optim.Optimizer, nn.Module]:
+    model = make_model()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+    opt: torch.optim.Optimizer
+    if kind == "factory":
+        opt = TransformOptimizer(groups, fo.adam, lr=1e-2)
+    elif kind == "ready-made":
+        opt = TransformOptimizer(groups, fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)))
+    else:
+        opt = DreamerV3Optimizer(groups, lr=1e-2, warmup_steps=0)
+    return opt, model
+
+
+def backward(model: nn.Module, seed: int = 3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model.zero_grad()
+    model(torch.randn(6, 4, generator=g)).square().mean().backward()
+
+
+def everything(opt: torch.optim.Optimizer, model: nn.Module) -> Any:
+    return ([p.detach().clone() for p in model.parameters()], optimizer_snapshot(opt))
+
+
+KINDS = ["factory", "ready-made", "dreamerv3"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_param_group_with_a_bad_option_adds_nothing(kind: str) -> None:
+    opt, model = two_group_optimizer(kind)
+    bad_option = {"factory": "b1", "ready-made": "lr", "dreamerv3": "beta1"}[kind]
+    extra = nn.Parameter(torch.ones(3))
+    before = len(opt.param_groups)
+    with pytest.raises(ValueError, match=bad_option):
+        opt.add_param_group({"params": [extra], bad_option: 1.5 if kind != "ready-made" else -1})
+    assert len(opt.param_groups) == before
+    backward(model)
+    opt.step()  # still works
+    opt.add_param_group({"params": [extra]})  # and the param can still be added
+    assert len(opt.param_groups) == before + 1
+
+
+def test_add_param_group_with_a_bad_group_state_adds_nothing() -> None:
+    opt, _ = two_group_optimizer("factory")
+    extra = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="group-level state"):
+        opt.add_param_group({"params": [extra], "transform_state": {"count": torch.zeros(3)}})
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fault", ["option", "static option", "gradient shape"])
+def test_a_step_failing_in_a_later_group_changes_no_group(kind: str, fault: str) -> None:
+    opt, model = two_group_optimizer(kind)
+    backward(model, seed=1)
+    opt.step()
+    backward(model, seed=2)
+    last = opt.param_groups[1]
+    if fault == "option":  # a value a scheduler or a user could set
+        last["lr"] = -1.0
+    elif fault == "static option":
+        if kind != "factory":
+            pytest.skip("only the factory has non-numeric options")
+        last["nesterov"] = "yes"
+    else:  # the gradient of the last param has the wrong shape (a reshaped .data)
+        p = last["params"][-1]
+        assert p.grad is not None
+        p.grad.data = p.grad.data.reshape(-1, 1)
+    before = everything(opt, model)
+    with pytest.raises((ValueError, TypeError)):
+        opt.step()
+    assert_same(everything(opt, model), before)
+
+
+def test_a_failing_update_leaves_no_new_state() -> None:
+    """State created for params on their first gradient goes when their update fails."""
+
+    calls = {"n": 0}
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise RuntimeError("transform failed")
+        return updates, state
+
+    failing = fo.GradientTransformation(lambda params: fo.EmptyState(), update)
+    model = make_model()
+    opt = TransformOptimizer(
+        model.parameters(), fo.chain(fo.scale_by_adam(), failing, fo.scale(-1e-2))
+    )
+    first = next(iter(model.parameters()))
+    first.grad = torch.ones_like(first)
+    opt.step()  # only the first param has state now
+    assert list(opt.state) == [first]
+    params = [p.detach().clone() for p in model.parameters()]
+    backward(model)
+    with pytest.raises(RuntimeError, match="transform failed"):
+        opt.step()
+    assert list(opt.state) == [first]  # the others' fresh state was dropped
+    for p, q in zip(model.parameters(), params, strict=True):
+        assert torch.equal(p, q)
