@@ -54,7 +54,7 @@ def make_chain(params: Any) -> Any:
 OPTIMIZERS: dict[str, Callable[[Any], Any]] = {"dreamerv3": make_dreamerv3, "chain": make_chain}
 
 
-class Regression(pl.LightningModule):  # type: ignore[misc,name-defined]
+class Regression(pl.LightningModule):
     def __init__(self, make_optimizer: Callable[[Any], Any], seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -72,7 +72,7 @@ class Regression(pl.LightningModule):  # type: ignore[misc,name-defined]
         return self.make_optimizer(self.parameters())
 
 
-class MemoryLogger(loggers.Logger):  # type: ignore[misc,name-defined]
+class MemoryLogger(loggers.Logger):
     """Keeps the logged metrics in memory (no files)."""
 
     def __init__(self) -> None:

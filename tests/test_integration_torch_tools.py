@@ -170,7 +170,8 @@ def test_step_pre_and_post_hooks(kind: str) -> None:
         assert optimizer is opt
         seen.append(("pre", params_of(model)))
         for p in model.parameters():
-            p.grad.mul_(2)  # type: ignore[union-attr]
+            assert p.grad is not None
+            p.grad.mul_(2)
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         assert optimizer is opt
