@@ -8,7 +8,9 @@ module when JAX or optax is not installed (they are the optional ``oracle`` extr
 Tolerances follow ``tests/conftest.py``'s rule: ours and optax compute the same math in float64
 with other kernels, so their results agree to ``ops * eps(float64) * magnitude``, where ``ops``
 counts the roundings of one step (:data:`ELEMENTWISE_OPS` plus the norms' sums) times the steps
-run so far (errors carried in state add up).
+run so far (errors carried in state add up). With 16-bit params optax runs on their exact
+float64 values, as the float64 oracle of our 16-bit computation; the caller counts its
+roundings per dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from conftest import assert_close_rounding
+from conftest import Ops, assert_close_rounding
 
 import functional_opt as fo
 
@@ -112,8 +114,20 @@ def x64_schedule(schedule: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def to_jax(tree: Any) -> Any:
-    """The same pytree with every tensor leaf as a ``jnp`` array (same dtype)."""
-    return optree.tree_map(lambda t: jnp.asarray(t.detach().numpy()), tree)
+    """The same pytree with every tensor leaf as a ``jnp`` array (same dtype; 16-bit floats as
+    float64, which holds them exactly)."""
+
+    def one(t: torch.Tensor) -> Any:
+        if t.is_floating_point() and t.element_size() < 4:
+            t = t.to(torch.float64)
+        return jnp.asarray(t.detach().numpy())
+
+    return optree.tree_map(one, tree)
+
+
+def wide(tree: Any) -> Any:
+    """The tree with every floating-point tensor as float64 (exact for narrower floats)."""
+    return optree.tree_map(lambda t: t.to(torch.float64) if t.is_floating_point() else t, tree)
 
 
 def bool_mask(params: Any, min_rank: int = 2) -> Any:
@@ -123,6 +137,8 @@ def bool_mask(params: Any, min_rank: int = 2) -> Any:
 
 def _as_np(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
+        if x.is_floating_point() and x.element_size() < 4:
+            x = x.to(torch.float64)  # (numpy has no bfloat16; the values are kept exactly)
         return x.detach().numpy()
     return np.asarray(x)
 
@@ -157,12 +173,14 @@ def assert_leaves_close(
     ours: list[np.ndarray],
     theirs: list[np.ndarray],
     what: str,
-    ops: float = ELEMENTWISE_OPS,
+    ops: Ops = ELEMENTWISE_OPS,
     magnitudes: list[np.ndarray] | None = None,
+    check_dtype: bool = True,
 ) -> None:
     """Integer leaves equal; float leaves of one dtype within ``ops`` roundings of it, relative
     to ``magnitudes`` (the same values computed from absolute inputs: the terms' size, which
-    cancellation cannot shrink) or, without them, to each leaf's largest value."""
+    cancellation cannot shrink) or, without them, to each leaf's largest value.
+    ``check_dtype=False``: optax's float leaves are a float64 oracle of narrower ones."""
     assert len(ours) == len(theirs), f"{what}: {len(ours)} leaves vs optax's {len(theirs)}"
     mags = [None] * len(ours) if magnitudes is None else magnitudes
     assert len(mags) == len(ours), f"{what}: {len(mags)} magnitudes for {len(ours)} leaves"
@@ -172,15 +190,27 @@ def assert_leaves_close(
             assert a.dtype.kind == b.dtype.kind, f"{what}, leaf {i}: {a.dtype} vs {b.dtype}"
             np.testing.assert_array_equal(a, b, err_msg=f"{what}, leaf {i}")
         else:
-            assert a.dtype == b.dtype, f"{what}, leaf {i}: dtype {a.dtype} vs {b.dtype}"
+            if check_dtype:
+                assert a.dtype == b.dtype, f"{what}, leaf {i}: dtype {a.dtype} vs {b.dtype}"
             x, y = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b))
             assert_close_rounding(
-                x, y, dtype=x.dtype, ops=ops, scale=_scale(m, y), msg=f"{what}, leaf {i}"
+                x,
+                y,
+                dtype=x.dtype,
+                ops=ops,
+                scale=_scale(m, y),
+                check_dtype=check_dtype,
+                msg=f"{what}, leaf {i}",
             )
 
 
 def assert_trees_close(
-    ours: Any, theirs: Any, what: str, ops: float = ELEMENTWISE_OPS, magnitudes: Any = None
+    ours: Any,
+    theirs: Any,
+    what: str,
+    ops: Ops = ELEMENTWISE_OPS,
+    magnitudes: Any = None,
+    check_dtype: bool = True,
 ) -> None:
     """Same structure (as JAX sees it), shapes, dtypes and values (``magnitudes``: our tree
     computed from absolute inputs, see :func:`assert_leaves_close`)."""
@@ -188,16 +218,21 @@ def assert_trees_close(
     theirs_structure = jax.tree.structure(theirs)
     assert ours_structure == theirs_structure, f"{what}: {ours_structure} vs {theirs_structure}"
     mags = None if magnitudes is None else ours_leaves(magnitudes)
-    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags)
+    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags, check_dtype)
 
 
 def assert_states_close(
-    ours: Any, theirs: Any, what: str, ops: float = ELEMENTWISE_OPS, magnitudes: Any = None
+    ours: Any,
+    theirs: Any,
+    what: str,
+    ops: Ops = ELEMENTWISE_OPS,
+    magnitudes: Any = None,
+    check_dtype: bool = True,
 ) -> None:
     """The array leaves of the two states agree in order, shape, dtype and value (the
     containers may differ: e.g. ``None`` here where optax has a ``MaskedNode``)."""
     mags = None if magnitudes is None else ours_leaves(magnitudes)
-    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags)
+    assert_leaves_close(ours_leaves(ours), optax_leaves(theirs), what, ops, mags, check_dtype)
 
 
 def compare_run(
@@ -212,7 +247,7 @@ def compare_run(
     jit: bool = False,
     before_step: Callable[[int, Any, Any], tuple[Any, Any]] | None = None,
     after_step: Callable[[int, Any, Any, Any], None] | None = None,
-    ops_per_step: float | None = None,
+    ops: Callable[[int], Ops] | None = None,
 ) -> tuple[Any, Any]:
     """Runs ``ours`` and ``theirs`` (an optax transform) side by side on the same gradients.
 
@@ -224,33 +259,44 @@ def compare_run(
     ``jit`` compiles optax's update once (for transforms built on ``lax.cond``, which eager JAX
     would recompile on every call).
 
-    Tolerance (``tests/conftest.py``): after step ``t`` (from 0) values agree to
-    ``(t + 1) * ops_per_step`` roundings (default :func:`step_ops`) of the magnitude run's
-    values: ``ours`` run alongside on the absolute values of the gradients and params, whose
-    results are the sizes of the terms each value is a sum of (a moment that averages
-    gradients of both signs may be far smaller than the terms whose rounding it carries).
-    Returns the final states.
+    Tolerance (``tests/conftest.py``): after step ``t`` (from 0) values agree to ``ops(t)``
+    roundings (default: ``(t + 1) * step_ops(params)`` in float64) of the magnitude run's
+    values: ``ours`` run alongside in float64 on the absolute values of the gradients and
+    params, whose results are the sizes of the terms each value is a sum of (a moment that
+    averages gradients of both signs may be far smaller than the terms whose rounding it
+    carries).
+
+    Params narrower than float64 (16-bit): optax gets their exact float64 values and is the
+    oracle; our updates must keep each param's dtype, and ``ops`` must count our roundings per
+    dtype. Returns the final states.
     """
     theirs_update = jax.jit(theirs.update) if jit else theirs.update
-    per_step = step_ops(params) if ops_per_step is None else ops_per_step
+    floats = [x for x in optree.tree_leaves(params) if x.is_floating_point()]
+    exact = all(x.dtype == torch.float64 for x in floats)
+    if ops is None:
+        assert exact, "compare_run: count the roundings of params narrower than float64"
+        per_step = step_ops(params)
+        ops = lambda t: (t + 1) * per_step  # noqa: E731
     s_o = ours.init(params)
-    s_m = ours.init(absolute(params))
+    s_m = ours.init(wide(absolute(params)))
     s_t = theirs.init(to_jax(params))
     if check_state:
-        assert_states_close(s_o, s_t, "initial state", per_step, s_m)
+        assert_states_close(s_o, s_t, "initial state", ops(0), s_m, exact)
     p = params
     for step, g in enumerate(grads):
-        ops = (step + 1) * per_step
         if before_step is not None:
             s_m, _ = before_step(step, s_m, s_t)
             s_o, s_t = before_step(step, s_o, s_t)
         pj = to_jax(p)
         u_o, s_o = ours.update(g, s_o, p if pass_params else None)
-        u_m, s_m = ours.update(absolute(g), s_m, absolute(p) if pass_params else None)
+        u_m, s_m = ours.update(wide(absolute(g)), s_m, wide(absolute(p)) if pass_params else None)
         u_t, s_t = theirs_update(to_jax(g), s_t, pj if pass_params else None)
-        assert_trees_close(u_o, u_t, f"updates at step {step}", ops, u_m)
+        if not exact:  # updates in each param's dtype
+            for u, x in zip(optree.tree_leaves(u_o), optree.tree_leaves(p), strict=True):
+                assert u.dtype == x.dtype, f"update of a {x.dtype} param in {u.dtype}"
+        assert_trees_close(u_o, u_t, f"updates at step {step}", ops(step), u_m, exact)
         if check_state:
-            assert_states_close(s_o, s_t, f"state after step {step}", ops, s_m)
+            assert_states_close(s_o, s_t, f"state after step {step}", ops(step), s_m, exact)
         if after_step is not None:
             after_step(step, s_o, s_t, s_m)
         if apply:

@@ -1,11 +1,14 @@
 """Oracle test: ``functional_opt.dreamerv3`` matches the original DreamerV3 optimizer (Hafner et
-al. 2023), rebuilt here from optax pieces in JAX (float64), for every option combination."""
+al. 2023), rebuilt here from optax pieces in JAX (float64), for every option combination, on
+every route of the fused update (chain ops, one compiled kernel per large leaf, stacked runs of
+small leaves), in float64 and bfloat16."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from oracle_utils import (
@@ -14,12 +17,18 @@ from oracle_utils import (
     jax,
     jnp,
     optax,
+    randn,
     random_grads,
     random_params,
+    step_ops,
     x64_schedule,
 )
 
 import functional_opt as fo
+from functional_opt import _kernels
+from functional_opt._dreamerv3_fused import KERNEL_MIN, RUN_MIN
+
+pytestmark = pytest.mark.numerics
 
 LR = 0.05
 WARMUP = 3
@@ -192,3 +201,99 @@ def test_dreamerv3_defaults_match_reference():
     compare_run(
         fo.dreamerv3(), reference_dreamerv3(4e-5, warmup=1000), params, random_grads(3, params)
     )
+
+
+# --- the fused update's compiled routes, and bfloat16 ----------------------------------------
+
+
+def _route_params(seed, dtype):
+    """A leaf large enough for its own compiled kernel call, a run of small leaves of one shape
+    (one stacked kernel call), and leaves the chain's ops take (two of one shape: too few for a
+    run; a zero one, whose clip bound is pmin)."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "big": randn(rng, (64, KERNEL_MIN // 64 + 1)) * 0.3,
+        "run": [randn(rng, (2, 3)) for _ in range(RUN_MIN + 1)],
+        "small": randn(rng, (3,)),
+        "zero": torch.zeros(3, dtype=torch.float64),
+    }
+    return jax.tree.map(lambda x: x.to(dtype), params)
+
+
+def _spy_kernels(monkeypatch):
+    """The kernels ``_kernels.call`` runs, by name."""
+    called = []
+    real = _kernels.call
+
+    def call(fn, *args):
+        called.append(fn.__name__)
+        return real(fn, *args)
+
+    monkeypatch.setattr(_kernels, "call", call)
+    return called
+
+
+# (the kernels implement momentum without Nesterov, and a weight-decay mask runs the chain)
+ROUTE_OPTIONS = [
+    {"agc": 0.3, "weight_decay": 0.0, "schedule": "const", "warmup": 0},
+    {"agc": 0.0, "weight_decay": 0.1, "schedule": "cosine", "warmup": WARMUP},
+    {"agc": 0.3, "weight_decay": 0.1, "schedule": "linear", "warmup": WARMUP},
+]
+ROUTE_IDS = ["agc-const", "decay-cosine", "agc-decay-linear"]
+
+
+def _options(options):
+    return {"anneal": ANNEAL, **options}
+
+
+@pytest.mark.parametrize("options", ROUTE_OPTIONS, ids=ROUTE_IDS)
+def test_dreamerv3_compiled_routes_match_reference(options, monkeypatch):
+    # float64: the kernels compile for float64 too, so the float64 reference checks them at
+    # float64's rounding (the default count: per step, the elementwise chain plus the norms'
+    # sums over every element, times the steps).
+    params = _route_params(7, torch.float64)
+    kwargs = _options(options)
+    called = _spy_kernels(monkeypatch)
+    compare_run(
+        fo.dreamerv3(LR, **kwargs),
+        reference_dreamerv3(LR, **kwargs),
+        params,
+        random_grads(7, params, steps=STEPS),
+    )
+    assert {"update_kernel", "update_kernel_in_place"} <= set(called)  # both routes were taken
+
+
+# Roundings of a bfloat16 update, compared with the float64 reference run on the same
+# (exactly widened) params and gradients. In bfloat16, on the chain's route (the kernels'
+# route rounds less: only the clipped gradient and the update): the clipped gradient (1); the
+# normalized step r = g' / sqrt(nu'), rounded to bfloat16 (1, plus g''s 1 and half of nu''s 2,
+# g'^2's: 3); the momentum, a float32 average of such terms (3: averaging does not add the
+# terms' relative errors up, it only adds its own roundings); its bias-corrected value rounded
+# to bfloat16 (1: 4); weight decay's product and sum (2: 6); the learning rate's product (1:
+# 7). In float32, per step: the kernels' elementwise math (14) and the norms of the clip factor
+# (a sum over at most every element: n + 2), and the averages' own roundings, which do add up
+# (3 per step). The reference's own float64 roundings: the default count.
+BF16_OPS = 7
+F32_ELEMENTWISE_OPS = 14
+F32_AVERAGE_OPS = 3
+
+
+@pytest.mark.parametrize("options", ROUTE_OPTIONS, ids=ROUTE_IDS)
+def test_dreamerv3_bfloat16_matches_float64_reference(options, monkeypatch):
+    params = _route_params(8, torch.bfloat16)
+    kwargs = _options(options)
+    per_step = step_ops(params)
+
+    def ops(step):
+        return {
+            torch.bfloat16: BF16_OPS,
+            torch.float32: F32_ELEMENTWISE_OPS + per_step + F32_AVERAGE_OPS * (step + 1),
+            torch.float64: (step + 1) * per_step,
+        }
+
+    grads = [jax.tree.map(lambda x: x.to(torch.bfloat16), g) for g in random_grads(8, params)]
+    called = _spy_kernels(monkeypatch)
+    compare_run(
+        fo.dreamerv3(LR, **kwargs), reference_dreamerv3(LR, **kwargs), params, grads, ops=ops
+    )
+    assert {"update_kernel", "update_kernel_in_place"} <= set(called)
