@@ -32,9 +32,10 @@ State layout (what ``state_dict()`` saves, in torch's own format):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
@@ -859,11 +860,16 @@ class TransformOptimizer(torch.optim.Optimizer):
         not plain data (a function, e.g. a ``mask``, or another object) is left out, as it cannot
         be loaded with ``torch.load(weights_only=True)``; :meth:`load_state_dict` takes it from
         this optimizer's groups, i.e. from the code that built the optimizer."""
-        sd = super().state_dict()
+        with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()  # runs the pre hooks
         sd["param_groups"] = [
             {k: v for k, v in group.items() if k == "params" or _is_plain(v)}
             for group in sd["param_groups"]
         ]
+        for hook in post_hooks:  # they see what is saved
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -873,8 +879,16 @@ class TransformOptimizer(torch.optim.Optimizer):
         state tensors are copied (never aliased) and keep the transform's dtypes (e.g. float32
         moments of bfloat16 params), not torch's default cast to the param's dtype. Options the
         checkpoint leaves out because they are not plain data (see :meth:`state_dict`) keep this
-        optimizer's values.
+        optimizer's values. Load-state-dict pre hooks run first (they may adapt the checkpoint,
+        which is then checked), post hooks once everything is loaded.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"an optimizer state dict is a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ValueError("an optimizer state dict has 'state' and 'param_groups' entries")
         saved_groups = state_dict["param_groups"]
@@ -910,7 +924,11 @@ class TransformOptimizer(torch.optim.Optimizer):
             self._check_param_states(layout, originals)
             self._init_group_state(dict(candidate), layout, existing=True)
             candidates.append(layout)
-        super().load_state_dict(state_dict)
+        with (
+            _hooks_held(self, "_optimizer_load_state_dict_pre_hooks"),  # they ran above
+            _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks,
+        ):
+            super().load_state_dict(state_dict)
         self._layouts = []
         for layout, group, keep in zip(candidates, self.param_groups, kept, strict=True):
             for key, value in keep.items():
@@ -930,6 +948,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 if entries:
                     self.state[p] = entries
             self._layouts.append(layout)
+        for post_hook in post_hooks:
+            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -955,6 +975,20 @@ class TransformOptimizer(torch.optim.Optimizer):
                     lines.append(f"    {key}: {group[key]}")
         lines.append(")")
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _hooks_held(optimizer: torch.optim.Optimizer, name: str) -> Iterator[list[Callable[..., Any]]]:
+    """Within the block, ``optimizer``'s hooks in the dict attribute ``name`` are held back
+    (torch's own method does not run them); yields them, to be run by the caller."""
+    hooks = getattr(optimizer, name)
+    held = list(hooks.values())
+    saved = hooks.copy()
+    hooks.clear()
+    try:
+        yield held
+    finally:
+        hooks.update(saved)
 
 
 def _local_pairs(dst: list[Tensor], src: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -122,3 +122,32 @@ def test_a_checkpoint_lacking_a_plain_option_is_refused() -> None:
     del sd["param_groups"][0]["weight_decay"]
     with pytest.raises(ValueError, match="weight_decay"):
         opt.load_state_dict(sd)
+
+
+def test_state_dict_hooks_see_what_is_saved_and_run_once() -> None:
+    model = make_model()
+    opt = TransformOptimizer(
+        model.parameters(), fo.adamw, lr=1e-2, weight_decay=0.5, mask=matrices_only
+    )
+    train(model, opt, data()[:1])
+    seen: list[str] = []
+
+    def post(optimizer: Any, sd: dict[str, Any]) -> None:
+        seen.append("save-post")
+        assert_plain(sd)
+
+    def load_pre(optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        seen.append("load-pre")
+        groups = [{**g, "lr": 0.5} for g in sd["param_groups"]]  # adapted before the checks
+        return {**sd, "param_groups": groups}
+
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(
+        lambda o: seen.append(f"load-post {o.param_groups[0]['lr']}")
+    )
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = -1.0  # refused unless the pre hook replaces it
+    opt.load_state_dict(sd)
+    assert seen == ["save-post", "load-pre", "load-post 0.5"]
+    assert opt.param_groups[0]["mask"] is matrices_only
