@@ -691,7 +691,9 @@ class TransformOptimizer(torch.optim.Optimizer):
                 f"of tensors in sets will change between runs; got {type(params).__name__}"
             )
         params = param_group["params"] = list(params)
-        for p in params:
+        # (name, param) pairs: torch's named parameters
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        for p in tensors:
             if not isinstance(p, Tensor):
                 raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
         missing = [k for k, v in self.defaults.items() if v is required and k not in param_group]
@@ -700,7 +702,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                 "parameter group didn't specify a value of required optimization parameter "
                 f"{missing[0]}"
             )
-        candidate = {**self.defaults, **param_group}
+        candidate = {**self.defaults, **param_group, "params": tensors}
         layout = self._build_layout(candidate)
         self._init_group_state(dict(candidate), layout, existing=False)
         super().add_param_group(param_group)  # its own checks come before it adds the group

@@ -409,3 +409,20 @@ def test_a_failing_update_leaves_no_new_state() -> None:
     assert list(opt.state) == [first]  # the others' fresh state was dropped
     for p, q in zip(model.parameters(), params, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_named_parameters_still_make_groups(kind: str) -> None:
+    model = make_model()
+    opt: torch.optim.Optimizer
+    if kind == "factory":
+        opt = TransformOptimizer(model.named_parameters(), fo.adam, lr=1e-2)
+    elif kind == "ready-made":
+        opt = TransformOptimizer(model.named_parameters(), fo.adam(1e-2))
+    else:
+        opt = DreamerV3Optimizer(model.named_parameters(), lr=1e-2, warmup_steps=0)
+    names = [name for name, _ in model.named_parameters()]
+    assert opt.param_groups[0]["param_names"] == names
+    backward(model)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
