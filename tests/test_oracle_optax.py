@@ -28,6 +28,7 @@ from oracle_utils import (
 )
 
 import functional_opt as fo
+from functional_opt import _kernels
 
 pytestmark = pytest.mark.numerics
 
@@ -320,3 +321,80 @@ def test_chain_on_random_tree_structures(seed):
         optax.scale_by_learning_rate(0.1),
     )
     compare_run(ours, theirs, params, random_grads(seed, params, steps=STEPS))
+
+
+# --- 16-bit params and apply_updates' compiled add -----------------------------------------
+
+# bfloat16 params and gradients against optax on their exact float64 values. Roundings of one
+# update in bfloat16 (ATen rounds each bfloat16 op's float32 result once) and in float32 (the
+# Python hyperparameters cast to float32, norms accumulated in float32: a sum over at most every
+# element, n + 2), counted per transform; moments kept in bfloat16 (optax's rule: the param's
+# dtype) are rounded again every step, so their roundings add up over the steps (``per_step``).
+BF16_CASES = {
+    # name: (ours, theirs, bf16 roundings once, bf16 roundings per step, with a norm)
+    "scale": (fo.scale(0.37), optax.scale(0.37), 1, 0, False),
+    # (the bound 0.3 itself is rounded to bfloat16 before it clamps)
+    "clip": (fo.clip(0.3), optax.clip(0.3), 1, 0, False),
+    "clip_by_global_norm": (
+        fo.clip_by_global_norm(1.0),
+        optax.clip_by_global_norm(1.0),
+        1,
+        0,
+        True,
+    ),
+    # 0.1 p (1) and the sum (1)
+    "add_decayed_weights": (
+        fo.add_decayed_weights(0.1),
+        optax.add_decayed_weights(0.1),
+        2,
+        0,
+        False,
+    ),
+    # momentum 0.9 m + g (2 per step), the learning rate's product (1)
+    "sgd_momentum": (fo.sgd(0.1, momentum=0.9), optax.sgd(0.1, momentum=0.9), 1, 2, False),
+    # first moment (3 per step), second (g^2 and 3: 4 per step); bias corrections, square
+    # root, + eps, quotient, learning rate (6 once)
+    "adam": (fo.adam(0.05), optax.adam(0.05), 6, 4, False),
+}
+BF16_STEPS = 4
+
+
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_bfloat16_params_match_float64_optax(case):
+    ours, theirs, once, per_step, norm = BF16_CASES[case]
+    params = jax.tree.map(lambda x: x.to(torch.bfloat16), random_params(2))
+    grads = [
+        jax.tree.map(lambda x: x.to(torch.bfloat16), g)
+        for g in random_grads(2, params, steps=BF16_STEPS)
+    ]
+    n = sum(int(x.numel()) for x in jax.tree.leaves(params))
+
+    def ops(step):
+        return {
+            torch.bfloat16: once + per_step * (step + 1),
+            torch.float32: 4 + (n + 2 if norm else 0),
+            torch.float64: (step + 1) * step_ops(params),
+        }
+
+    compare_run(ours, theirs, params, grads, ops=ops)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("size", [7, _kernels.ADD_MIN + 3], ids=["small", "compiled-add"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_apply_updates_matches_optax(dtype, size, donate):
+    # p + u rounded once to the param's dtype (16-bit leaves of ADD_MIN+ elements take the
+    # compiled add when donated); optax adds the exact float64 values: one rounding.
+    rng = np.random.default_rng(size)
+    params = {"w": randn(rng, (size,)).to(dtype), "b": randn(rng, (3,)).to(dtype)}
+    updates = {k: (randn(rng, tuple(v.shape)) * 1e-2).to(dtype) for k, v in params.items()}
+    # (copied before a donated add writes into the params: JAX may share their memory)
+    theirs = optax.apply_updates(to_jax(params), to_jax(updates))
+    expected = {k: torch.tensor(np.array(v)) for k, v in theirs.items()}
+    scale = {k: params[k].double().abs() + updates[k].double().abs() for k in params}
+    got = fo.apply_updates(params, updates, donate=donate)
+    for k in params:
+        assert got[k].dtype == dtype
+        assert_close_rounding(
+            got[k], expected[k], dtype=dtype, ops=1, scale=scale[k], check_dtype=False, msg=k
+        )
