@@ -243,3 +243,65 @@ def abs_run(fn: Callable[..., Any], *args: Any) -> Any:
         return x
 
     return fn(*optree.tree_map(wide_abs, args, none_is_leaf=True))
+
+
+def _abs64(tree: Any) -> Any:
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().to(torch.float64).abs()
+        return x
+
+    return optree.tree_map(one, tree)
+
+
+class MagnitudeRun:
+    """A transform run alongside a test in float64 on the absolute values of its gradients and
+    params: its updates and state are the magnitudes of the terms the compared values are sums
+    of (the rule's ``scale`` where moments average gradients of both signs). The transform must
+    be built from sums and products with nonnegative coefficients, divisions and square roots
+    (every transform here is, up to the signs of its learning rates)."""
+
+    def __init__(self, tx: Any, params: Any) -> None:
+        self.tx = tx
+        self.state = tx.init(_abs64(params))
+
+    def update(self, updates: Any, params: Any = None) -> tuple[Any, Any]:
+        """The magnitudes of the next update and state (absolute values, float64)."""
+        wide_params = None if params is None else _abs64(params)
+        u, self.state = self.tx.update(_abs64(updates), self.state, wide_params)
+        return _abs64(u), _abs64(self.state)
+
+
+DREAMERV3_ELEMENTWISE_OPS = 23
+"""Roundings in the moments' dtype of one ``dreamerv3`` update of one element, per
+implementation: the kernels' math (14, counted in ``test_kernels_direct.py``: clip factor
+times g, both moments, the normalized step, the update with weight decay), Nesterov's second
+mix (cast, product, sum: 17), the clip factor from the two norms (``clip * max(pmin, ||p||)``:
+cast and product, then the quotient: 20; the norms' sums are counted by :func:`dreamerv3_ops`),
+the bias corrections and learning rate computed in float64 and cast (2: 22), and the float64
+roundings of the schedule and the powers (far below one rounding of the moments: 1)."""
+
+DREAMERV3_16BIT_OPS = 7
+"""Roundings to a 16-bit param's dtype in one ``dreamerv3`` update (the chain's route; the
+kernels round less): the clipped gradient (1); the normalized step ``g' / sqrt(nu')`` rounded to
+the param's dtype (1, plus g''s 1 and half of nu''s 2: 3); the float32 momentum, an average of
+such steps (averaging adds no relative error of its terms up: 3); its bias-corrected value
+rounded (4); weight decay's product and sum (6); the learning rate's product (7). Not
+multiplied by the steps: state keeps these errors averaged, not summed (the moments' own
+roundings, in float32, are)."""
+
+
+def dreamerv3_ops(dtype: torch.dtype, *, numel: int, steps: int = 1) -> dict[torch.dtype, float]:
+    """The rule's ``ops`` for two implementations of ``dreamerv3`` on params of ``dtype`` after
+    ``steps`` updates from one start, each carrying its own state (errors in state add up):
+    :data:`DREAMERV3_ELEMENTWISE_OPS` plus the clip factor's norms over the largest leaf
+    (``numel`` squares summed, halved by the square root, two norms: ``numel + 2``; pass 0
+    where the clip never acts) per step, in the moments' dtype (float32 for 16-bit params),
+    plus :data:`DREAMERV3_16BIT_OPS` for 16-bit params."""
+    narrow = dtype in (torch.bfloat16, torch.float16)
+    wide = torch.float32 if narrow else dtype
+    per_step = DREAMERV3_ELEMENTWISE_OPS + (numel + 2 if numel else 0)
+    ops: dict[torch.dtype, float] = {wide: steps * per_step}
+    if narrow:
+        ops[dtype] = DREAMERV3_16BIT_OPS
+    return ops

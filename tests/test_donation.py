@@ -1,13 +1,18 @@
-"""Donation mode: ``update(..., donate=True)`` gives the same results and reuses the buffers of
-the state and the incoming updates; ``apply_updates(..., donate=True)`` adds in place."""
+"""Donation mode: ``update(..., donate=True)`` gives the same results (bit for bit: the same
+kernels on the same inputs) and reuses the buffers of the state and the incoming updates, never
+the params' (never donated to ``update``); ``apply_updates(..., donate=True)`` adds in place,
+and without donation leaves the params as they were."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_ops
 
 import functional_opt as fo
 from functional_opt._dreamerv3_fused import KERNEL_MIN
+
+pytestmark = pytest.mark.numerics
 
 
 def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:
@@ -34,13 +39,6 @@ TRANSFORMS = {
     "inject": lambda: fo.inject_hyperparams(fo.adam)(learning_rate=1e-2),
     "masked": lambda: fo.masked(fo.adam(1e-2), {"w": True, "b": [False]}),
 }
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and bool(
-        torch.equal(a, b)
-        or (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
-    )
 
 
 def _leaves(tree: object) -> list[torch.Tensor]:
@@ -77,16 +75,19 @@ def test_donated_updates_are_identical(
             grads["w"][0, 0] = float("nan")
         donated = {"w": grads["w"].clone(), "b": [grads["b"][0].clone()]}  # type: ignore[index]
         kept = [x.clone() for x in _leaves(grads)]
+        kept_params = [x.clone() for x in _leaves(params)]
         u1, pure_state = tx.update(grads, pure_state, params)
-        assert all(_same(a, b) for a, b in zip(kept, _leaves(grads), strict=True))
+        assert_bitwise(_leaves(grads), kept, f"{name}: pure update wrote its gradients")
+        assert_bitwise(_leaves(params), kept_params, f"{name}: pure update wrote the params")
         u2, donated_state = tx.update(donated, donated_state, params, donate=flag)
         if flag == "state":  # the updates were not donated: never written
-            assert all(_same(a, b) for a, b in zip(kept, _leaves(donated), strict=True))
-        for a, b in zip(_leaves(u1), _leaves(u2), strict=True):
-            assert torch.equal(a, b), name
-        for a, b in zip(_leaves(pure_state), _leaves(donated_state), strict=True):
-            assert torch.equal(a, b), name
-        params = fo.apply_updates(params, u1)
+            assert_bitwise(_leaves(donated), kept, f"{name}: donate='state' wrote the gradients")
+        assert_bitwise(_leaves(params), kept_params, f"{name}: donated update wrote the params")
+        assert_bitwise(_leaves(u2), _leaves(u1), f"{name}: updates")
+        assert_bitwise(_leaves(donated_state), _leaves(pure_state), f"{name}: states")
+        new_params = fo.apply_updates(params, u1)
+        assert_bitwise(_leaves(params), kept_params, f"{name}: apply_updates wrote the params")
+        params = new_params
 
 
 @pytest.mark.parametrize("name", ["scale_by_rms", "scale_by_adam", "trace", "ema", "dreamerv3"])
@@ -97,13 +98,16 @@ def test_donation_reuses_moment_buffers(name: str) -> None:
     grads = _tree(1)
     big = [x for x in _leaves(state) if x.dim() > 0]
     ptrs = {x.data_ptr() for x in big}
+    kept_params = [x.clone() for x in _leaves(params)]
     _, new_state = tx.update(grads, state, params, donate=True)
     assert {x.data_ptr() for x in _leaves(new_state) if x.dim() > 0} == ptrs
-    # Without donation nothing is written into the old state.
+    assert_bitwise(_leaves(params), kept_params, "donated update wrote the params")
+    # Without donation nothing is written into the old state, nor into the params.
     state = tx.init(params)
     before = [x.clone() for x in _leaves(state)]
     tx.update(grads, state, params)
-    assert all(torch.equal(a, b) for a, b in zip(before, _leaves(state), strict=True))
+    assert_bitwise(_leaves(state), before)
+    assert_bitwise(_leaves(params), kept_params, "pure update wrote the params")
 
 
 def test_donate_must_be_a_python_bool_or_state() -> None:
@@ -120,8 +124,10 @@ def test_donated_updates_take_the_new_update_in_place() -> None:
     params = _tree(0, big=True)
     state = tx.init(params)
     grads = _tree(1, big=True)
+    kept_params = [x.clone() for x in _leaves(params)]
     updates, _ = tx.update(grads, state, params, donate=True)
     assert updates["w"] is grads["w"]  # the large float32 leaf: written into the gradient
+    assert_bitwise(_leaves(params), kept_params, "donated update wrote the params")
 
 
 def test_chain_donates_updates_to_its_first_transform_only() -> None:
@@ -146,11 +152,15 @@ def test_apply_updates_donated_is_identical_and_in_place(dtype: torch.dtype, big
     # large 16-bit leaves take a compiled add: the same sums, rounded once
     params = _tree(0, dtype, big)
     updates = _tree(1, dtype, big)
+    kept_params = [x.clone() for x in _leaves(params)]
+    kept_updates = [x.clone() for x in _leaves(updates)]
     want = fo.apply_updates(params, updates)
+    assert_bitwise(_leaves(params), kept_params, "apply_updates without donation wrote params")
     buffers = [x.data_ptr() for x in _leaves(params)]
     got = fo.apply_updates(params, updates, donate=True)
     assert [x.data_ptr() for x in _leaves(got)] == buffers
-    assert all(torch.equal(a, b) for a, b in zip(_leaves(want), _leaves(got), strict=True))
+    assert_bitwise(_leaves(got), _leaves(want))
+    assert_bitwise(_leaves(updates), kept_updates, "apply_updates wrote the updates")
 
 
 def test_apply_updates_donated_stays_pure_where_in_place_is_unsafe() -> None:
@@ -183,24 +193,26 @@ def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
     flat_p = (torch.randn(6, 40, generator=gen) * 0.3).to(dtype)
     params = list(flat_p.unbind(0))
     s_flat, s_sep, s_chain = tx.init(params), tx.init(params), chain.init(params)
-    for _ in range(3):
+    magnitudes = MagnitudeRun(chain, params)
+    for step in range(3):
         flat_g = torch.randn(6, 40, generator=gen).to(dtype)
         grads = list(flat_g.unbind(0))
         separate = [g.clone() for g in grads]
-        kept = flat_g.clone()
+        kept, kept_params = flat_g.clone(), flat_p.clone()
         u_pure, _ = tx.update(grads, s_flat, params)
-        assert torch.equal(flat_g, kept)  # not donated: the gradients stay as they were
+        assert_bitwise(flat_g, kept)  # not donated: the gradients stay as they were
         u_chain, s_chain = chain.update(separate, s_chain, params)
+        u_mag, _ = magnitudes.update(separate, params)
         u_sep, s_sep = tx.update([g.clone() for g in grads], s_sep, params, donate=True)
         u_flat, s_flat = tx.update(grads, s_flat, params, donate=True)
+        assert_bitwise(flat_p, kept_params)  # params are never donated to update
         if dtype == torch.float32:  # the update written into the donated gradient buffer
             assert all(u is g for u, g in zip(u_flat, grads, strict=True))
-        flat, sep = _leaves((u_flat, s_flat)), _leaves((u_sep, s_sep))
-        assert all(_same(a, b) for a, b in zip(flat, sep, strict=True))
-        assert all(_same(a, b) for a, b in zip(u_flat, u_pure, strict=True))
-        tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
-        for a, c in zip(u_flat, u_chain, strict=True):
-            torch.testing.assert_close(a, c, rtol=tol, atol=tol * float(c.abs().max()))
+        assert_bitwise(_leaves((u_flat, s_flat)), _leaves((u_sep, s_sep)))
+        assert_bitwise(u_flat, u_pure)
+        # fused run kernel vs the chain's ops: the rule's dreamerv3 count (rows of 40)
+        ops = dreamerv3_ops(dtype, numel=40, steps=step + 1)
+        assert_close_rounding(u_flat, u_chain, dtype=dtype, ops=ops, scale=u_mag)
         params = fo.apply_updates(params, u_chain, donate=True)  # still the rows of flat_p
         assert all(p._base is flat_p for p in params)
 
@@ -213,9 +225,18 @@ def test_dreamerv3_leaves_flat_gradients_that_autograd_tracks() -> None:
     flat_g = torch.randn(6, 40, requires_grad=True)
     grads = list(flat_g.unbind(0))
     kept = flat_g.detach().clone()
+    kept_params = [p.clone() for p in params]
     updates, _ = tx.update(grads, tx.init(params), params, donate=True)
     want, _ = tx.update([g.detach().clone() for g in grads], tx.init(params), params)
-    assert torch.equal(flat_g.detach(), kept)
-    for a, b in zip(updates, want, strict=True):
-        assert a.requires_grad
-        torch.testing.assert_close(a.detach(), b, rtol=2e-6, atol=1e-9)
+    magnitudes, _ = MagnitudeRun(tx, params).update(grads, params)
+    assert_bitwise(flat_g.detach(), kept)
+    assert_bitwise(params, kept_params)
+    assert all(a.requires_grad for a in updates)
+    # the chain (recorded) vs the fused run kernel: one step, rows of 40
+    assert_close_rounding(
+        [a.detach() for a in updates],
+        want,
+        dtype=torch.float32,
+        ops=dreamerv3_ops(torch.float32, numel=40),
+        scale=magnitudes,
+    )
