@@ -22,8 +22,23 @@ __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", 
 
 
 def all_finite(updates: PyTree) -> Tensor:
-    """A 0-d bool tensor: every element of every tensor leaf is finite (``None`` ignored)."""
-    return _lists.all_finite([x for x in tree.leaves(updates) if x is not None])
+    """A 0-d bool tensor: every element of every tensor leaf is finite (``None`` ignored;
+    integer and bool tensors are finite). A leaf that is not a tensor is a ``TypeError`` naming
+    its path."""
+    values, _ = tree.flatten(updates)
+    xs = []
+    for i, x in enumerate(values):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor):
+            path = optree.tree_paths(updates, none_is_leaf=True, namespace=tree.NAMESPACE)[i]
+            raise TypeError(
+                f"all_finite: the leaf at {tree.path_str(path)} is a {type(x).__name__}, not a "
+                "tensor"
+            )
+        if x.is_floating_point() or x.is_complex():
+            xs.append(x)
+    return _lists.all_finite(xs)
 
 
 def _times(values: PyTree, factor: Tensor) -> PyTree:
@@ -165,7 +180,8 @@ class DynamicLossScale(_Frozen):
             count = counter
         else:
             _validate.counter("counter", counter)
-            count = torch.tensor(counter, dtype=COUNT_DTYPE)
+            count = torch.tensor(int(counter), dtype=COUNT_DTYPE)
+        period = period if isinstance(period, Tensor) else int(period)  # a numpy integer too
         self._set(_scale_tensor(scale), count, period, float(factor), float(min_scale))
 
     def _set(

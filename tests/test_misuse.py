@@ -607,6 +607,9 @@ def test_guarded_multi_steps_skips_faulty_mini_steps_bit_for_bit(
             assert_bit_identical(state.inner_state, before_s, f"MultiSteps state, step {t}")
 
 
+INT_DTYPES = st.sampled_from([torch.int32, torch.int64, torch.uint8, torch.bool])
+
+
 @st.composite
 def fault_trees(draw: st.DrawFn) -> tuple[Any, bool]:
     """A tree of 16/32/64-bit leaves (0-d, empty and ``None`` ones included) with NaN/Inf at
@@ -614,9 +617,12 @@ def fault_trees(draw: st.DrawFn) -> tuple[Any, bool]:
     leaves: dict[str, Any] = {}
     bad = False
     for i in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["tensor", "empty", "none"]))
+        kind = draw(st.sampled_from(["tensor", "empty", "none", "int"]))
         if kind == "none":
             leaves[f"x{i}"] = None
+            continue
+        if kind == "int":  # integers and bools are finite
+            leaves[f"x{i}"] = torch.tensor([draw(st.integers(0, 5)), 1], dtype=draw(INT_DTYPES))
             continue
         shape = (0,) if kind == "empty" else draw(st.sampled_from(SHAPES))
         dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]))
@@ -626,6 +632,11 @@ def fault_trees(draw: st.DrawFn) -> tuple[Any, bool]:
             bad = True
         leaves[f"x{i}"] = x
     return leaves, bad
+
+
+def test_all_finite_refuses_non_tensor_leaves() -> None:
+    with pytest.raises(TypeError, match=r"\['b'\]\[0\]"):
+        all_finite({"a": torch.ones(2), "b": [1.0]})
 
 
 @settings(max_examples=60, deadline=None)
