@@ -17,6 +17,7 @@ names the argument and shows the value.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -78,12 +79,12 @@ def _number(name: str, value: Any) -> float | None:
     if isinstance(value, Tensor):
         _tensor(name, value)
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real
         raise HyperparameterTypeError(f"{name} must be a number, got {_kind(value)}: {value!r}")
     try:
         return float(value)
     except OverflowError:
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 def _require(name: str, value: Any, ok: bool, what: str) -> None:
@@ -153,16 +154,16 @@ def float32_magnitude(name: str, value: Any) -> None:
 
 
 def int_in_range(name: str, value: Any, low: int, high: int, why: str = "") -> None:
-    """Raises unless ``value`` is a Python int (not a bool) in ``[low, high]`` (or a 0-d
-    tensor). ``why`` is appended to the message."""
+    """Raises unless ``value`` is an integer (a Python or numpy one, not a bool) in
+    ``[low, high]`` (or a 0-d tensor). ``why`` is appended to the message."""
     if isinstance(value, Tensor):
         _tensor(name, value)
         return
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise HyperparameterTypeError(
             f"{name} must be an integer, got {_kind(value)}: {value!r}{why}"
         )
-    _require(name, value, low <= value <= high, f"an integer in [{low}, {high}]{why}")
+    _require(name, value, low <= int(value) <= high, f"an integer in [{low}, {high}]{why}")
 
 
 def counter(name: str, value: Any, low: int = 0) -> None:

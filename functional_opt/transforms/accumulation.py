@@ -113,7 +113,7 @@ class MultiSteps:
             raise TypeError(f"opt must be a GradientTransformation, got {type(opt).__name__}")
         if not callable(every_k_schedule):
             _validate.counter("every_k_schedule", every_k_schedule, 1)
-            k = every_k_schedule
+            k = int(every_k_schedule)  # a numpy integer too
             self._every_k: Callable[[Tensor], int | Tensor] = lambda step: k
         else:
             self._every_k = every_k_schedule
@@ -139,7 +139,7 @@ class MultiSteps:
             top = _validate.counter_max()
             return torch.clamp(k.to(torch.int64), 1, top).to(COUNT_DTYPE)
         _validate.counter("every_k_schedule", k, 1)
-        return k
+        return int(k)
 
     def init(self, params: Params) -> MultiStepsState:
         want = self._accumulator_dtype

@@ -69,6 +69,8 @@ def apply_if_finite(
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"inner must be a GradientTransformation, got {type(inner).__name__}")
     _validate.counter("max_consecutive_errors", max_consecutive_errors)
+    if not isinstance(max_consecutive_errors, Tensor):
+        max_consecutive_errors = int(max_consecutive_errors)  # a numpy integer too
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(
