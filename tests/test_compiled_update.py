@@ -9,20 +9,31 @@ import re
 
 import pytest
 import torch
+from conftest import MagnitudeRun, assert_close_rounding, dreamerv3_ops
 from torch._inductor.utils import run_and_get_code
 
 import functional_opt as fo
 from functional_opt import _lists
 
+pytestmark = pytest.mark.numerics
+
 SIZE = 4099  # odd, to find the loops over the leaf in inductor's generated code
 
 
-def _tree(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def _tree(
+    seed: int, dtype: torch.dtype = torch.float32, scale: float = 0.3
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        "w": (torch.randn(SIZE, generator=gen) * 0.3).to(dtype),
-        "b": (torch.randn(7, generator=gen) * 0.3).to(dtype),
+        "w": (torch.randn(SIZE, generator=gen) * scale).to(dtype),
+        "b": (torch.randn(7, generator=gen) * scale).to(dtype),
     }
+
+
+def _grads(step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    # ||g|| / ||p|| is about 0.03, far below the clip's 0.3 in both codes: the clip factor is
+    # exactly 1 in both, so the norms' rounding never reaches the comparison
+    return _tree(10 + step, dtype, scale=0.01)
 
 
 def _steps(donate: bool | str, dtype: torch.dtype, steps: int = 4) -> list[object]:
@@ -32,26 +43,22 @@ def _steps(donate: bool | str, dtype: torch.dtype, steps: int = 4) -> list[objec
         functools.partial(tx.update, donate=donate) if donate else tx.update, fullgraph=True
     )
     params = _tree(0, dtype)
-    state = tx.init(params)
-    eager_params, eager_state = _tree(0, dtype), tx.init(_tree(0, dtype))
+    state, eager_state = tx.init(params), tx.init(params)
+    magnitudes = MagnitudeRun(tx, params)
     out = []
     for step in range(steps):
-        grads = _tree(10 + step, dtype)
+        grads = _grads(step, dtype)
         ptrs = {k: v.data_ptr() for k, v in grads.items()}
         u, state = update(
             {k: v.clone() for k, v in grads.items()} if not donate else grads, state, params
         )
-        want, eager_state = tx.update(_tree(10 + step, dtype), eager_state, eager_params)
-        for k in want:  # (16-bit: compiled and eager round differently)
-            tol = (
-                {"rtol": 2e-6, "atol": 1e-9}
-                if dtype == torch.float32
-                else {"rtol": 0, "atol": 2e-4}
-            )
-            torch.testing.assert_close(u[k], want[k], **tol)
+        want, eager_state = tx.update(_grads(step, dtype), eager_state, params)
+        scale, _ = magnitudes.update(_grads(step, dtype), params)
+        # compiled vs eager, each carrying its own state: the rule's dreamerv3 count
+        ops = dreamerv3_ops(dtype, numel=0, steps=step + 1)
+        assert_close_rounding(u, want, dtype=dtype, ops=ops, scale=scale, msg=f"step {step}")
         out.append((u, ptrs))
         params = fo.apply_updates(params, u)
-        eager_params = fo.apply_updates(eager_params, want)
     return out
 
 
