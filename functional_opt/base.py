@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -14,6 +15,7 @@ from functional_opt.tree import PyTree
 
 __all__ = [
     "DONATE",
+    "EXTRA_KEYWORDS",
     "EmptyState",
     "GradientTransformation",
     "InitFn",
@@ -22,9 +24,14 @@ __all__ = [
     "UpdateFn",
     "Updates",
     "apply_updates",
+    "accepting",
     "chain",
+    "check_extra",
+    "describe",
     "donating",
     "donating_updates",
+    "expect_state",
+    "extra_keywords",
     "identity",
     "named_chain",
     "safe_increment",
@@ -86,21 +93,121 @@ either way."""
 STATE_ONLY = "state"
 
 
-def _flag(extra: dict[str, Any]) -> bool | str:
+EXTRA_KEYWORDS: frozenset[str] = frozenset({DONATE})
+"""The extra keywords of ``update`` that the library's transforms accept (``donate``)."""
+
+_ACCEPTS = "__functional_opt_extra_keywords__"
+
+
+def check_extra(
+    extra: dict[str, Any], where: str, accepted: frozenset[str] | None = EXTRA_KEYWORDS
+) -> None:
+    """Raises ``TypeError`` naming the keywords of ``extra`` that are not in ``accepted``
+    (``None``: any keyword is accepted).
+
+    Unknown keywords are an error, never silently ignored (a caller passing ``inplace=True``
+    must not believe the update happened in place). The rule:
+
+    * every transform of the library accepts the keywords in :data:`EXTRA_KEYWORDS` and checks
+      them itself: its ``update`` calls this function, or :func:`donating`/
+      :func:`donating_updates`, which check what they read;
+    * the library's combinators (``chain``, ``named_chain``, ``masked``, ``partition``) accept
+      the union of what their members accept, raise on a keyword that no member accepts, and
+      pass each member only the keywords it accepts;
+    * what a transform accepts is what it declared with :func:`accepting`; else, for a
+      transform of this library, :data:`EXTRA_KEYWORDS`; else (a user's transform) what its
+      ``update``'s signature names, or any keyword if it takes ``**kwargs`` (it then checks its
+      own). So a user's transform that takes its own keywords (``update(..., rng=None,
+      **extra)``) gets them inside a ``chain``, while the library's transforms next to it never
+      see them. (The library's other wrappers, ``apply_if_finite``, ``MultiSteps`` and
+      ``inject_hyperparams``, accept the library's keywords only unless they declare more with
+      :func:`accepting`: a user's keyword through them is refused, never lost.)
+
+    The check is a set comparison of the keywords, once per call: no per-leaf work."""
+    if accepted is None or not extra or extra.keys() <= accepted:
+        return
+    unknown = sorted(set(extra) - accepted)
+    what = (
+        f"an unexpected keyword argument {unknown[0]!r}"
+        if len(unknown) == 1
+        else f"unexpected keyword arguments {', '.join(map(repr, unknown))}"
+    )
+    known = ", ".join(map(repr, sorted(accepted))) or "none"
+    raise TypeError(f"{where + ': ' if where else ''}update() got {what} (accepted: {known})")
+
+
+def accepting(update: Callable[..., Any], keywords: frozenset[str] | None) -> Callable[..., Any]:
+    """Declares the extra keywords ``update`` accepts (``None``: any) for :func:`check_extra`'s
+    rule; returns ``update``."""
+    setattr(update, _ACCEPTS, keywords)
+    return update
+
+
+def extra_keywords(tx: GradientTransformation) -> frozenset[str] | None:
+    """The extra keywords ``tx.update`` accepts (``None``: any), by :func:`check_extra`'s
+    rule."""
+    fn = tx.update
+    declared: frozenset[str] | None | object = getattr(fn, _ACCEPTS, _UNDECLARED)
+    if declared is None or isinstance(declared, frozenset):
+        return declared
+    if str(getattr(fn, "__module__", None)).startswith("functional_opt."):
+        return EXTRA_KEYWORDS
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None  # no signature to read: let it check its own keywords
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    # updates, state and params come first (positionally): the others are extra keywords
+    leading = 0
+    while leading < min(3, len(rest)) and rest[leading].kind in positional:
+        leading += 1
+    return frozenset(
+        p.name for p in rest[leading:] if p.kind is not inspect.Parameter.POSITIONAL_ONLY
+    )
+
+
+_UNDECLARED = object()
+
+
+def _union(accepts: list[frozenset[str] | None]) -> frozenset[str] | None:
+    if any(a is None for a in accepts):
+        return None
+    return frozenset().union(*accepts)  # type: ignore[arg-type]
+
+
+def _for_member(extra: dict[str, Any], accepted: frozenset[str] | None) -> dict[str, Any]:
+    """The keywords of ``extra`` a member that accepts ``accepted`` gets."""
+    if accepted is None or extra.keys() <= accepted:
+        return extra
+    return {k: v for k, v in extra.items() if k in accepted}
+
+
+def _flag(extra: dict[str, Any], accepted: frozenset[str] | None = None) -> bool | str:
+    if accepted is not None and not extra.keys() <= accepted:
+        check_extra(extra, "", accepted)
     flag = extra.get(DONATE, False)
     if not (isinstance(flag, bool) or flag == STATE_ONLY):
         raise TypeError(f"{DONATE}= must be a Python bool or {STATE_ONLY!r}, got {flag!r}")
     return flag  # type: ignore[no-any-return]
 
 
-def donating(extra: dict[str, Any]) -> bool:
-    """Whether an update's extra arguments donate the state (``donate=True`` or ``"state"``)."""
-    return bool(_flag(extra))
+def donating(extra: dict[str, Any], accepted: frozenset[str] | None = EXTRA_KEYWORDS) -> bool:
+    """Whether an update's extra arguments donate the state (``donate=True`` or ``"state"``).
+
+    Reading the extra arguments checks them: a keyword outside ``accepted`` (``None``: any) is
+    a ``TypeError`` (see :func:`check_extra`)."""
+    return bool(_flag(extra, accepted))
 
 
-def donating_updates(extra: dict[str, Any]) -> bool:
-    """Whether an update's extra arguments also donate the incoming updates (``donate=True``)."""
-    return _flag(extra) is True
+def donating_updates(
+    extra: dict[str, Any], accepted: frozenset[str] | None = EXTRA_KEYWORDS
+) -> bool:
+    """Whether an update's extra arguments also donate the incoming updates (``donate=True``);
+    checks them as :func:`donating` does."""
+    return _flag(extra, accepted) is True
 
 
 def without_donation(extra: dict[str, Any]) -> dict[str, Any]:
@@ -114,9 +221,35 @@ def state_donation(extra: dict[str, Any]) -> dict[str, Any]:
     return {**extra, DONATE: STATE_ONLY} if _flag(extra) else extra
 
 
-def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+def describe(state: Any) -> str:
+    """A short description of a state's kind for error messages, e.g. ``a tuple of 2 states``
+    or ``a ScaleByAdamState``."""
+    name = type(state).__name__
+    if type(state) is tuple:
+        return f"a tuple of {len(state)} states"
+    return f"an {name}" if name[:1] in "AEIOU" else f"a {name}"
+
+
+def expect_state(state: Any, kind: type | tuple[type, ...], where: str) -> None:
+    """Raises ``TypeError`` unless ``state`` is a ``kind`` (e.g. another transform's state was
+    passed): a cheap ``isinstance``, once per call."""
+    if not isinstance(state, kind):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        raise TypeError(
+            f"{where} expects a state of type {' or '.join(k.__name__ for k in kinds)}, got "
+            f"{describe(state)} (the state of another transform, or of another configuration "
+            "of this one?)"
+        )
+
+
+def stateless(
+    fn: Callable[[Updates, Params | None], Updates], name: str | None = None
+) -> GradientTransformation:
     """A transform without state: ``update`` returns ``fn(updates, params)`` and the
-    ``EmptyState`` it was given."""
+    ``EmptyState`` it was given. It accepts the library's extra keywords only
+    (:func:`check_extra`); ``name`` (default: the function that made ``fn``) names it in
+    errors."""
+    where = name or fn.__qualname__.split(".<locals>")[0]
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -125,24 +258,39 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        del extra
+        if extra:
+            check_extra(extra, where)
+            _flag(extra)
+        if not (isinstance(state, tuple) and len(state) == 0):
+            raise TypeError(
+                f"{where} is stateless: its state is EmptyState(), got {describe(state)} (the "
+                "state of another transform?)"
+            )
         return fn(updates, params), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged: ``u -> u``."""
-    return stateless(lambda updates, params: updates)
+    return stateless(lambda updates, params: updates, "identity")
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Applies transforms in order, ``u -> t_n(... t_1(u))``; the state is a tuple of theirs."""
+    """Applies transforms in order, ``u -> t_n(... t_1(u))``; the state is a tuple of theirs.
+
+    Extra keywords of ``update`` go to the members that accept them; one that no member accepts
+    is a ``TypeError`` (see :func:`check_extra`)."""
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(
                 f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation"
             )
+
+    accepts = [extra_keywords(t) for t in transforms]
+    accepted = _union(accepts)
+    # whether every member takes the library's keywords (then they pass without filtering)
+    plain = all(a is None or a >= EXTRA_KEYWORDS for a in accepts)
 
     def init_fn(params: Params) -> tuple[OptState, ...]:
         return tuple(t.init(params) for t in transforms)
@@ -151,21 +299,29 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = describe(state)
             raise ValueError(
-                f"chain of {len(transforms)} transforms got a state that is not a tuple of "
-                f"{len(transforms)} states"
+                f"chain of {len(transforms)} transforms: the state must be a tuple of "
+                f"{len(transforms)} states (one per transform), got {got} at <root> (the state "
+                "of another transform?)"
             )
-        new_states = []
         # Only the first transform gets the caller's updates; the others get updates made by
         # the transform before them, which may be that transform's state, so they may not
         # write into them.
         later = state_donation(extra)
+        if extra and not (plain and extra.keys() <= EXTRA_KEYWORDS):
+            check_extra(extra, "chain", accepted)
+            firsts = [_for_member(extra, a) for a in accepts]
+            laters = [_for_member(later, a) for a in accepts]
+        else:
+            firsts, laters = [extra] * len(transforms), [later] * len(transforms)
+        new_states = []
         for i, (t, s) in enumerate(zip(transforms, state, strict=True)):
-            updates, s = t.update(updates, s, params, **(extra if i == 0 else later))
+            updates, s = t.update(updates, s, params, **(firsts[i] if i == 0 else laters[i]))
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -182,11 +338,14 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         if not isinstance(state, dict) or list(state) != names:
-            raise ValueError(f"named_chain expects a state dict with keys {names}")
+            got = list(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"named_chain expects a state dict with keys {names} at <root>, got {got}"
+            )
         updates, states = inner.update(updates, tuple(state[n] for n in names), params, **extra)
         return updates, dict(zip(names, states, strict=True))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, extra_keywords(inner)))
 
 
 def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> Params:
@@ -212,6 +371,7 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     ]
     xs = [pvals[i] for i in idx]
     us = [uvals[i] for i in idx]
+    _check_updates(where, idx, xs, us)
     if donate and _in_place_ok(xs, us):
         _add_in_place(xs, us)
         return params
@@ -220,6 +380,49 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     for i, v in zip(idx, new, strict=True):
         out[i] = v
     return tree.unflatten(spec, out)
+
+
+def _check_updates(where: tree.Leaves, idx: list[int], xs: list[Tensor], us: list[Tensor]) -> None:
+    """Each update has its param's shape (nothing is broadcast), is floating point or complex,
+    and is real where the param is real (a cast would drop the imaginary part): else a
+    ``ValueError``/``TypeError`` naming the leaf. Lists of shapes and dtypes are compared (a
+    Python comparison per leaf); no tensor is read."""
+    try:
+        pshapes, ushapes = _lists.column(xs, "shape"), _lists.column(us, "shape")
+    except AttributeError:
+        for i, p, u in zip(idx, xs, us, strict=True):
+            for what, x in (("param", p), ("update", u)):
+                if not isinstance(x, Tensor):
+                    raise TypeError(
+                        f"apply_updates: the {what} at {where.path(i)} is a "
+                        f"{type(x).__name__}, not a tensor"
+                    ) from None
+        raise
+    if pshapes != ushapes:
+        for i, ps, us_ in zip(idx, pshapes, ushapes, strict=True):
+            if ps != us_:
+                raise ValueError(
+                    f"apply_updates: the update at {where.path(i)} has shape {tuple(us_)}, but "
+                    f"the param has shape {tuple(ps)}: shapes must be equal (nothing is "
+                    "broadcast)"
+                )
+    udtypes = set(_lists.column(us, "dtype"))
+    if udtypes <= _FLOATS:
+        return
+    for i, p, u in zip(idx, xs, us, strict=True):
+        if not (u.dtype.is_floating_point or u.dtype.is_complex):
+            raise TypeError(
+                f"apply_updates: the update at {where.path(i)} has dtype {u.dtype}: updates must "
+                "be floating point or complex"
+            )
+        if u.dtype.is_complex and not p.dtype.is_complex:
+            raise TypeError(
+                f"apply_updates: the update at {where.path(i)} is complex ({u.dtype}) but the "
+                f"param is real ({p.dtype}): the imaginary part would be lost"
+            )
+
+
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | None:
@@ -233,6 +436,8 @@ def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | Non
     if torch.compiler.is_compiling():
         return None
     ps, us = list(p), list(u)
+    if not set(_lists.column(us, "dtype")) <= _FLOATS:
+        return None  # the leaf-by-leaf path names the leaf whose dtype is refused
     if donate and _in_place_ok(ps, us):
         _add_in_place(ps, us)
         return params
