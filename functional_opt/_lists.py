@@ -185,12 +185,47 @@ def sqrt(xs: Sequence[Tensor]) -> list[Tensor]:
 
 
 def square(xs: Sequence[Tensor]) -> list[Tensor]:
-    """``x * x``."""
+    """``x * x``; for a complex ``x`` its squared modulus ``|x|^2 = Re(conj(x) x)`` (in ``x``'s
+    complex dtype, imaginary part exactly 0), as optax squares complex updates."""
     if not xs:
         return []
+    if not _COMPLEX.isdisjoint(column(xs, "dtype")):
+        return [_abs_sq(x) if x.is_complex() else x * x for x in xs]
     if use_foreach(xs):
         return list(torch._foreach_mul(list(xs), list(xs)))
     return [x * x for x in xs]
+
+
+def _abs_sq(x: Tensor) -> Tensor:
+    # The real part of the product: its imaginary part can be a rounding residual, not 0.
+    return (x.conj() * x).real.to(x.dtype)
+
+
+_COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
+
+
+def copy(xs: Sequence[Tensor]) -> list[Tensor]:
+    """A fresh copy of each tensor, bit for bit (for an update that would otherwise be a state
+    buffer itself: callers may edit returned updates in place)."""
+    if not xs:
+        return []
+    if not torch.compiler.is_compiling() and use_foreach(xs):
+        return list(torch._foreach_mul(list(xs), 1.0))  # one multi-tensor kernel; x * 1 == x
+    return [x.clone() for x in xs]
+
+
+def unshared(out: Sequence[Tensor], state: Sequence[Tensor]) -> list[Tensor]:
+    """``out`` with a fresh copy in place of each entry that is the matching ``state`` tensor
+    itself: returned updates never share memory with the returned state."""
+    if len(out) != len(state):
+        raise ValueError(f"unshared: {len(out)} updates for {len(state)} state tensors")
+    if not any(map(operator.is_, out, state)):  # a C-level loop
+        return list(out)
+    same = [i for i, (x, y) in enumerate(zip(out, state, strict=True)) if x is y]
+    result = list(out)
+    for i, c in zip(same, copy([out[i] for i in same]), strict=True):
+        result[i] = c
+    return result
 
 
 def clamp(xs: Sequence[Tensor], lo: Scalar, hi: Scalar) -> list[Tensor]:
@@ -248,7 +283,8 @@ def moment(
         return []
     decay = once(decay)
     dtypes = promoted(m, g)
-    if use_foreach(m, decay) and use_foreach(g):
+    complex_square = order == 2 and not _COMPLEX.isdisjoint(dtypes)  # |g|^2, not g * g
+    if use_foreach(m, decay) and use_foreach(g) and not complex_square:
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
         gw = cast(g, dtypes)
         out = _scaled(cast(m, dtypes), decay, in_place)

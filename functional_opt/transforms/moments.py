@@ -13,10 +13,14 @@ from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
 from functional_opt.base import (
+    EXTRA_KEYWORDS,
     GradientTransformation,
     Params,
     Updates,
+    accepting,
+    check_extra,
     donating,
+    expect_state,
     safe_increment,
     zero_count,
 )
@@ -108,6 +112,8 @@ def scale_by_rms(
         **extra: Any,
     ) -> tuple[Updates, ScaleByRmsState | ScaleByRmsWithCountState]:
         del params
+        check_extra(extra, "scale_by_rms")
+        expect_state(state, ScaleByRmsWithCountState if debias else ScaleByRmsState, "scale_by_rms")
         g, at = tree.split(updates)
         nu_old = at.take(state.nu, "state.nu")
         nu = _lists.moment(nu_old, g, decay, 2, donate=donating(extra))
@@ -126,7 +132,7 @@ def scale_by_rms(
             return at.updates(out), ScaleByRmsWithCountState(count, new_nu)
         return at.updates(out), ScaleByRmsState(new_nu)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -166,6 +172,8 @@ def scale_by_adam(
         updates: Updates, state: ScaleByAdamState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ScaleByAdamState]:
         del params
+        check_extra(extra, "scale_by_adam")
+        expect_state(state, ScaleByAdamState, "scale_by_adam")
         donate = donating(extra)
         g, at = tree.split(updates)
         mu_old = at.take(state.mu, "state.mu")
@@ -190,7 +198,7 @@ def scale_by_adam(
             at.carry(state.nu, _lists.like(nu, nu_old), "state.nu"),
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
 class TraceState(NamedTuple):
@@ -214,15 +222,18 @@ def trace(
         updates: Updates, state: TraceState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, TraceState]:
         del params
+        check_extra(extra, "trace")
+        expect_state(state, TraceState, "trace")
         g, at = tree.split(updates)
         old = at.take(state.trace, "state.trace")
         new = _lists.decay_add(old, g, decay, donate=donating(extra))
         out = _lists.add(_lists.like(g, new), new, alpha=decay) if nesterov else new
-        return at.updates(_lists.like(out, g)), TraceState(
-            at.carry(state.trace, _lists.like(new, old), "state.trace")
-        )
+        stored = _lists.like(new, old)
+        # Without Nesterov the update is the new trace: a copy of it, never the state itself.
+        out = _lists.unshared(_lists.like(out, g), stored)
+        return at.updates(out), TraceState(at.carry(state.trace, stored, "state.trace"))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
 class EmaState(NamedTuple):
@@ -252,6 +263,8 @@ def ema(
         updates: Updates, state: EmaState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, EmaState]:
         del params
+        check_extra(extra, "ema")
+        expect_state(state, EmaState, "ema")
         g, at = tree.split(updates)
         old = at.take(state.ema, "state.ema")
         new = _lists.moment(old, g, decay, 1, donate=donating(extra))
@@ -259,8 +272,10 @@ def ema(
         out = _lists.moment(new, g, decay, 1) if _nesterov else new
         if debias:
             out = bias_correction(out, decay, count)
-        return at.updates(_lists.like(out, g)), EmaState(
-            count, at.carry(state.ema, _lists.like(new, old), "state.ema")
-        )
+        stored = _lists.like(new, old)
+        # Without debiasing (or Nesterov) the update is the new average: a copy of it, never
+        # the state itself.
+        out = _lists.unshared(_lists.like(out, g), stored)
+        return at.updates(out), EmaState(count, at.carry(state.ema, stored, "state.ema"))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
