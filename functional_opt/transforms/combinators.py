@@ -8,7 +8,15 @@ from typing import Any, NamedTuple
 import optree
 
 from functional_opt import tree
-from functional_opt.base import GradientTransformation, Params, Updates
+from functional_opt.base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    accepting,
+    check_extra,
+    expect_state,
+    extra_keywords,
+)
 from functional_opt.tree import PyTree
 
 __all__ = ["MaskedState", "PartitionState", "masked", "partition"]
@@ -72,8 +80,23 @@ def masked(
     """Applies ``inner`` only to leaves where ``mask`` is true; other updates pass unchanged.
 
     ``mask`` is a tree of Python bools with the params' structure (or a prefix of it), or a
-    function of the params returning one.
+    function of the params returning one. Extra keywords go to ``inner`` (an unknown one is a
+    ``TypeError``: see :func:`functional_opt.base.check_extra`).
     """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(
+            f"masked: inner must be a GradientTransformation, got {type(inner).__name__}"
+        )
+    return _masked(inner, mask, extra_keywords(inner), "masked")
+
+
+def _masked(
+    inner: GradientTransformation,
+    mask: PyTree | Callable[[Params], PyTree],
+    accepted: frozenset[str] | None,
+    where: str,
+) -> GradientTransformation:
+    """:func:`masked`, with the keywords ``inner`` accepts already known."""
 
     def bools(reference: PyTree) -> list[bool]:
         flags = _expand(mask, reference, "mask")
@@ -89,6 +112,8 @@ def masked(
     def update_fn(
         updates: Updates, state: MaskedState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MaskedState]:
+        check_extra(extra, where, accepted)
+        expect_state(state, MaskedState, where)
         u, spec = tree.flatten(updates)
         keep = bools(params if params is not None else updates)
         inner_params = None
@@ -102,7 +127,7 @@ def masked(
         out = [n if k else old for n, old, k in zip(new_flat, u, keep, strict=True)]
         return tree.unflatten(spec, out), MaskedState(inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
 class PartitionState(NamedTuple):
@@ -118,6 +143,16 @@ def partition(
     """Applies ``transforms[label]`` to the leaves labelled ``label`` by ``param_labels``."""
     if not transforms:
         raise ValueError("partition needs at least one transform")
+    for label, t in transforms.items():
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"partition: transforms[{label!r}] is a {type(t).__name__}, not a "
+                "GradientTransformation"
+            )
+    accepts = {label: extra_keywords(t) for label, t in transforms.items()}
+    accepted: frozenset[str] | None = None
+    if all(a is not None for a in accepts.values()):
+        accepted = frozenset().union(*accepts.values())  # type: ignore[arg-type]
 
     def labels_of(reference: PyTree) -> list[Any]:
         labels = _expand(param_labels, reference, "param_labels")
@@ -133,7 +168,12 @@ def partition(
         labels = labels_of(reference)
         _, spec = tree.flatten(reference)
         return {
-            label: masked(tx, tree.unflatten(spec, [lab == label for lab in labels]))
+            label: _masked(
+                tx,
+                tree.unflatten(spec, [lab == label for lab in labels]),
+                accepts[label],
+                f"partition[{label!r}]",
+            )
             for label, tx in transforms.items()
         }
 
@@ -143,11 +183,25 @@ def partition(
     def update_fn(
         updates: Updates, state: PartitionState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, PartitionState]:
+        check_extra(extra, "partition", accepted)
+        expect_state(state, PartitionState, "partition")
+        if not isinstance(state.inner_states, dict) or state.inner_states.keys() != accepts.keys():
+            got = (
+                sorted(map(repr, state.inner_states))
+                if isinstance(state.inner_states, dict)
+                else type(state.inner_states).__name__
+            )
+            raise ValueError(
+                f"partition: state.inner_states must have the labels "
+                f"{sorted(map(repr, transforms))}, got {got}"
+            )
         new_states = {}
         for label, t in masks(params if params is not None else updates).items():
+            a = accepts[label]
+            mine = extra if a is None else {k: v for k, v in extra.items() if k in a}
             updates, new_states[label] = t.update(
-                updates, state.inner_states[label], params, **extra
+                updates, state.inner_states[label], params, **mine
             )
         return updates, PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, accepted))
