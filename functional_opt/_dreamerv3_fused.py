@@ -15,7 +15,14 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
-from functional_opt.base import OptState, Params, Updates, safe_increment
+from functional_opt.base import (
+    EmptyState,
+    OptState,
+    Params,
+    Updates,
+    describe,
+    safe_increment,
+)
 from functional_opt.schedules import Schedule
 from functional_opt.transforms.clipping import agc_factors, agc_factors_from_norms
 from functional_opt.transforms.moments import (
@@ -53,6 +60,30 @@ RUN_MIN = 4
 together (their state then lives in one buffer, updated in place when donated)."""
 
 
+def check_state(h: Hyper, state: OptState) -> None:
+    """Raises a ``ValueError`` naming the first place where ``state`` is not a state of
+    dreamerv3 with these options (its chain's states: ``EmptyState()`` for ``clip_by_agc``,
+    ``ScaleByRmsWithCountState``, ``EmaState`` with momentum, ``EmptyState()`` for the weight
+    decay and ``ScaleByScheduleState``). A few ``isinstance`` checks, once per update; the
+    per-parameter trees inside are checked when their leaves are taken."""
+    kinds: list[type] = [EmptyState, ScaleByRmsWithCountState]
+    if h.momentum:
+        kinds.append(EmaState)
+    kinds += [EmptyState, ScaleByScheduleState]
+    if not isinstance(state, tuple) or type(state) is not tuple or len(state) != len(kinds):
+        raise ValueError(
+            f"dreamerv3: the state must be a tuple of {len(kinds)} states "
+            f"({', '.join(k.__name__ for k in kinds)}), got {describe(state)} at <root> (the "
+            "state of another transform, or of dreamerv3 with other options?)"
+        )
+    for i, (kind, s) in enumerate(zip(kinds, state, strict=True)):
+        if not isinstance(s, kind):
+            raise ValueError(
+                f"dreamerv3: the state at [{i}] must be a {kind.__name__}, got {describe(s)} "
+                "(the state of another transform, or of dreamerv3 with other options?)"
+            )
+
+
 def fused_update(
     h: Hyper,
     updates: Updates,
@@ -71,6 +102,7 @@ def fused_update(
     equals the chain's (bit for bit for float32 and float64). Which leaves take which path
     depends only on their size and layout, never on ``donate``, so donation never changes a
     result."""
+    check_state(h, state)
     if params is None or torch.compiler.is_compiling():
         return None
     g, at = tree.split(updates)
@@ -78,10 +110,10 @@ def fused_update(
         return None
     p = at.take(params, "params")
     rms_state: ScaleByRmsWithCountState = state[1]
-    nu_old = at.take(rms_state.nu, "state.nu")
+    nu_old = at.take(rms_state.nu, "state[1].nu")
     if not (_lists.use_foreach(g, *h) and _lists.use_foreach(p) and _lists.use_foreach(nu_old)):
         return None
-    mu_old: list[Tensor] = at.take(state[2].ema, "state.ema") if h.momentum else []
+    mu_old: list[Tensor] = at.take(state[2].ema, "state[2].ema") if h.momentum else []
     if torch.is_grad_enabled() and _lists.tracked(g, p, nu_old, mu_old):
         return None  # differentiated through: the chain, whose ops autograd can record
     count = safe_increment(rms_state.count)
@@ -353,6 +385,8 @@ def _kernel_routes(
     for (kind, shape, dtype, device, nu_dtype, nu_device, mu_dtype), idx in groups.items():
         if kind is not Tensor or mu_dtype != nu_dtype or nu_device != device:
             continue
+        if dtype.is_complex or nu_dtype.is_complex:
+            continue  # (the kernels are real: complex leaves take the multi-tensor ops)
         if dtype != nu_dtype and torch.promote_types(nu_dtype, dtype) != nu_dtype:
             continue
         size = math.prod(shape)

@@ -13,6 +13,7 @@ from functional_opt._dreamerv3_fused import (
     KERNEL_MIN,
     RUN_MIN,
     Hyper,
+    check_state,
     foreach_update,
     kernel_options,
     kernel_scalars,
@@ -98,6 +99,7 @@ def packed_update(
     first. Gradients must be of at least 32 bits. A buffer holds its leaves by size, so runs
     here are leaves of one size where the per-leaf path stacks leaves of one shape: the two can
     route a small leaf differently (equal to float rounding)."""
+    check_state(h, state)  # (first: dreamerv3's every path names a wrong state alike)
     if not (kernel_options(h) and isinstance(updates, Packed)) or torch.compiler.is_compiling():
         return None
     original = updates
@@ -133,8 +135,8 @@ def packed_update(
         return None
     g_b, p_b, nu_b, mu_b = buffers
     for g, p, nu, mu in zip(g_b, p_b, nu_b, mu_b, strict=True):
-        if p.dtype != g.dtype or mu.dtype != nu.dtype:
-            return None
+        if p.dtype != g.dtype or mu.dtype != nu.dtype or g.dtype.is_complex:
+            return None  # (the kernels are real: complex leaves take the per-leaf path)
         if torch.promote_types(nu.dtype, g.dtype) != nu.dtype:
             return None
         if not (g.device == p.device == nu.device == mu.device):
