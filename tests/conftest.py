@@ -178,17 +178,19 @@ def assert_close_rounding(
     expected: Any,
     *,
     dtype: torch.dtype,
-    ops: Ops,
+    ops: Ops | Callable[[torch.Tensor], Ops],
     scale: Any = None,
     check_dtype: bool = True,
     msg: str = "",
 ) -> None:
     """Rule 2: ``|actual - expected| <= ops * eps(dtype) * scale`` per element (see the module
     docstring for ``ops`` and ``scale``), compared in float64. ``actual``/``expected`` are
-    tensors or trees of them (``None`` leaves must match); ``scale`` is ``None`` (per tensor, its
-    largest expected magnitude), a number, a tensor broadcasting against the values, or a tree of
-    those matching ``expected``. NaNs must be in the same places and infinities equal.
-    ``check_dtype=False`` allows a reference in another dtype (a float64 oracle)."""
+    tensors or trees of them (``None`` leaves must match); ``ops`` is a count, a mapping of
+    dtypes to counts, or a function of the expected tensor returning one (a count that depends
+    on the leaf's size); ``scale`` is ``None`` (per tensor, its largest expected magnitude), a
+    number, a tensor broadcasting against the values, or a tree of those matching
+    ``expected``. NaNs must be in the same places and infinities equal. ``check_dtype=False``
+    allows a reference in another dtype (a float64 oracle)."""
     a_leaves, a_spec = _leaves(actual)
     e_leaves, e_spec = _leaves(expected)
     where = f"{msg}: " if msg else ""
@@ -212,8 +214,9 @@ def assert_close_rounding(
         inf = y.isinf()
         assert torch.equal(x[inf], y[inf]) and not x[~inf].isinf().any(), f"{at}: infinities differ"
         ok = torch.isfinite(y)
-        bound = rounding_bound(dtype, ops, 1.0)
-        floor = rounding_bound(dtype, ops, 0.0)
+        leaf_ops = ops(e) if callable(ops) else ops
+        bound = rounding_bound(dtype, leaf_ops, 1.0)
+        floor = rounding_bound(dtype, leaf_ops, 0.0)
         limit = (bound - floor) * _scale_for(y, s) + floor
         err = (x - y).abs()
         limit = torch.broadcast_to(limit, err.shape)
@@ -225,7 +228,7 @@ def assert_close_rounding(
             pos = tuple(int(p) for p in pos)
             raise AssertionError(
                 f"{at}: {int(bad.sum())} of {err.numel()} values outside the rounding bound "
-                f"(dtype={dtype}, ops={ops}); worst at {pos}: {x[pos].item()!r} vs "
+                f"(dtype={dtype}, ops={leaf_ops}); worst at {pos}: {x[pos].item()!r} vs "
                 f"{y[pos].item()!r}, |diff| {err[pos].item():.3g} > bound "
                 f"{limit[pos].item():.3g} ({ratio[pos].item():.3g}x)"
             )
@@ -305,3 +308,9 @@ def dreamerv3_ops(dtype: torch.dtype, *, numel: int, steps: int = 1) -> dict[tor
     if narrow:
         ops[dtype] = DREAMERV3_16BIT_OPS
     return ops
+
+
+def dreamerv3_leaf_ops(dtype: torch.dtype, *, steps: int = 1) -> Callable[[torch.Tensor], Ops]:
+    """:func:`dreamerv3_ops` for each compared leaf, its clip factor's norms over that leaf's
+    own elements (``clip_by_agc`` clips each tensor by its own norms)."""
+    return lambda leaf: dreamerv3_ops(dtype, numel=leaf.numel(), steps=steps)

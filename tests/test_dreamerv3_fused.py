@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_ops
+from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_leaf_ops
 
 import functional_opt as fo
 from functional_opt._dreamerv3_fused import KERNEL_MIN
@@ -55,8 +55,8 @@ def test_fused_equals_chain(options: dict[str, object], dtype: torch.dtype, dona
         u_fused, s_fused = fused.update(grads, s_fused, params, **extra)
         got = [x for x in fo.tree.leaves((u_fused, s_fused)) if x is not None]
         want = [x for x in fo.tree.leaves((u_chain, s_chain)) if x is not None]
-        if dtype == torch.bfloat16:  # (the largest leaf: 15 elements)
-            ops = dreamerv3_ops(dtype, numel=15, steps=step + 1)
+        if dtype == torch.bfloat16:
+            ops = dreamerv3_leaf_ops(dtype, steps=step + 1)
             scale = [x for x in fo.tree.leaves(mags) if x is not None]
             assert_close_rounding(got, want, dtype=dtype, ops=ops, scale=scale)
         else:
@@ -96,7 +96,6 @@ def _check_kernel_paths(
     params = make(gen, dtype, 0)
     states = [fused.init(params), fused.init(params), fused.init(params), chain.init(params)]
     magnitudes = MagnitudeRun(chain, params)
-    numel = max(x.numel() for x in _tensors(params))
     for step in range(6):
         grads = make(gen, dtype, step)
         outs = []
@@ -113,7 +112,7 @@ def _check_kernel_paths(
         scale = _tensors(magnitudes.update(grads, params))
         for other in outs[1:]:
             assert_bitwise(other, outs[0])
-        ops = dreamerv3_ops(dtype, numel=numel, steps=step + 1)
+        ops = dreamerv3_leaf_ops(dtype, steps=step + 1)
         want = _tensors((u_chain, states[3]))
         assert_close_rounding(outs[0], want, dtype=dtype, ops=ops, scale=scale)
         params = fo.apply_updates(params, u_chain)
@@ -196,7 +195,7 @@ def test_kernel_falls_back_to_eager_when_compiling_fails(monkeypatch: pytest.Mon
         u, _ = tx.update(grads, tx.init(params), params)
     want, _ = chain.update(grads, chain.init(params), params)
     scale, _ = MagnitudeRun(chain, params).update(grads, params)
-    ops = dreamerv3_ops(torch.float32, numel=KERNEL_MIN + 5)  # (the largest leaf)
+    ops = dreamerv3_leaf_ops(torch.float32)
     assert_close_rounding(u, want, dtype=torch.float32, ops=ops, scale=scale)
 
 
