@@ -294,23 +294,37 @@ multiplied by the steps: state keeps these errors averaged, not summed (the mome
 roundings, in float32, are)."""
 
 
-def dreamerv3_ops(dtype: torch.dtype, *, numel: int, steps: int = 1) -> dict[torch.dtype, float]:
+def dreamerv3_ops(
+    dtype: torch.dtype, *, numel: int, steps: int = 1, apply: bool = False
+) -> dict[torch.dtype, float]:
     """The rule's ``ops`` for two implementations of ``dreamerv3`` on params of ``dtype`` after
     ``steps`` updates from one start, each carrying its own state (errors in state add up):
-    :data:`DREAMERV3_ELEMENTWISE_OPS` plus the clip factor's norms over the largest leaf
-    (``numel`` squares summed, halved by the square root, two norms: ``numel + 2``; pass 0
-    where the clip never acts) per step, in the moments' dtype (float32 for 16-bit params),
-    plus :data:`DREAMERV3_16BIT_OPS` for 16-bit params."""
+    :data:`DREAMERV3_ELEMENTWISE_OPS` plus the clip factor's norms over the leaf (``numel``
+    squares summed, halved by the square root, two norms: ``numel + 2``; pass 0 where the clip
+    never acts) per step, in the moments' dtype (float32 for 16-bit params), plus
+    :data:`DREAMERV3_16BIT_OPS` for 16-bit params; ``apply``: compared after the update is
+    added to the param (one more rounding, in the param's dtype)."""
     narrow = dtype in (torch.bfloat16, torch.float16)
     wide = torch.float32 if narrow else dtype
     per_step = DREAMERV3_ELEMENTWISE_OPS + (numel + 2 if numel else 0)
     ops: dict[torch.dtype, float] = {wide: steps * per_step}
     if narrow:
         ops[dtype] = DREAMERV3_16BIT_OPS
+    ops[dtype] = ops[dtype] + (1 if apply else 0)
     return ops
 
 
-def dreamerv3_leaf_ops(dtype: torch.dtype, *, steps: int = 1) -> Callable[[torch.Tensor], Ops]:
+def dreamerv3_leaf_ops(
+    dtype: torch.dtype, *, steps: int = 1, apply: bool = False
+) -> Callable[[torch.Tensor], Ops]:
     """:func:`dreamerv3_ops` for each compared leaf, its clip factor's norms over that leaf's
     own elements (``clip_by_agc`` clips each tensor by its own norms)."""
-    return lambda leaf: dreamerv3_ops(dtype, numel=leaf.numel(), steps=steps)
+    return lambda leaf: dreamerv3_ops(dtype, numel=leaf.numel(), steps=steps, apply=apply)
+
+
+ELEMENTWISE_OPS = 32
+"""Roundings per element in one update of the longest elementwise chain of the optax
+namesakes (adamw with Nesterov, ``eps_root``, weight decay and a cosine schedule: first moment
+3, second 4, both bias corrections (power, difference, quotient: 3 each), the Nesterov mix 4,
+``sqrt(v + eps_root) + eps`` 3, the quotient 1, weight decay 2, the schedule's cosine and
+arithmetic 5, the learning rate 1: 31, rounded up). Norms add their sums."""

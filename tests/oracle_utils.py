@@ -22,7 +22,7 @@ import numpy as np
 import optree
 import pytest
 import torch
-from conftest import Ops, assert_close_rounding
+from conftest import ELEMENTWISE_OPS, Ops, assert_close_rounding
 
 import functional_opt as fo
 
@@ -34,12 +34,6 @@ jax.config.update("jax_platforms", "cpu")
 
 STEPS = 12
 
-ELEMENTWISE_OPS = 32
-"""Roundings per element in one update of the longest elementwise chain compared here (adamw
-with Nesterov, ``eps_root``, weight decay and a cosine schedule: first moment 3, second 4, both
-bias corrections (power, difference, quotient: 3 each), the Nesterov mix 4, ``sqrt(v + eps_root)
-+ eps`` 3, the quotient 1, weight decay 2, the schedule's cosine and arithmetic 5, the learning
-rate 1: 31, rounded up). Norms add their sums: see :func:`step_ops`."""
 
 
 def step_ops(params: Any) -> int:
