@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import reprlib
 from typing import Any
 
 import torch
@@ -55,6 +57,15 @@ def counter_max() -> int:
     return int(torch.iinfo(COUNT_DTYPE).max)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlong = 60  # an int of 400 digits is shown as its first and last digits
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, shortened for huge ints and long containers."""
+    return _REPR.repr(value)
+
+
 def _kind(value: Any) -> str:
     if callable(value) and not isinstance(value, Tensor):
         return "a function"
@@ -80,16 +91,18 @@ def _number(name: str, value: Any) -> float | None:
         _tensor(name, value)
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real
-        raise HyperparameterTypeError(f"{name} must be a number, got {_kind(value)}: {value!r}")
+        raise HyperparameterTypeError(
+            f"{name} must be a number, got {_kind(value)}: {_show(value)}"
+        )
     try:
         return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
+    except OverflowError:  # an int beyond float64: out of every range
+        return math.inf if operator.gt(value, 0) else -math.inf
 
 
 def _require(name: str, value: Any, ok: bool, what: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {_show(value)}")
 
 
 def _real(name: str, value: Any) -> float | None:
@@ -161,7 +174,7 @@ def int_in_range(name: str, value: Any, low: int, high: int, why: str = "") -> N
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise HyperparameterTypeError(
-            f"{name} must be an integer, got {_kind(value)}: {value!r}{why}"
+            f"{name} must be an integer, got {_kind(value)}: {_show(value)}{why}"
         )
     _require(name, value, low <= int(value) <= high, f"an integer in [{low}, {high}]{why}")
 
@@ -180,7 +193,7 @@ def int_at_least(name: str, value: Any, low: int) -> None:
 def boolean(name: str, value: Any) -> None:
     """Raises unless ``value`` is a Python bool (a truthy string must not switch a flag on)."""
     if not isinstance(value, bool):
-        raise HyperparameterTypeError(f"{name} must be a bool, got {_kind(value)}: {value!r}")
+        raise HyperparameterTypeError(f"{name} must be a bool, got {_kind(value)}: {_show(value)}")
 
 
 def float_dtype(name: str, value: Any) -> None:
@@ -189,7 +202,7 @@ def float_dtype(name: str, value: Any) -> None:
         return
     if not isinstance(value, torch.dtype):
         raise HyperparameterTypeError(
-            f"{name} must be a torch.dtype or None, got {_kind(value)}: {value!r}"
+            f"{name} must be a torch.dtype or None, got {_kind(value)}: {_show(value)}"
         )
     _require(name, value, value.is_floating_point, "a floating-point dtype or None")
 
@@ -197,4 +210,6 @@ def float_dtype(name: str, value: Any) -> None:
 def function(name: str, value: Any) -> None:
     """Raises unless ``value`` is callable (a schedule or a factory)."""
     if not callable(value) or isinstance(value, Tensor):
-        raise HyperparameterTypeError(f"{name} must be callable, got {_kind(value)}: {value!r}")
+        raise HyperparameterTypeError(
+            f"{name} must be callable, got {_kind(value)}: {_show(value)}"
+        )

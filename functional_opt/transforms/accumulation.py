@@ -14,7 +14,10 @@ from functional_opt.base import (
     GradientTransformation,
     Params,
     Updates,
+    accepting,
     donating,
+    expect_state,
+    extra_keywords,
     safe_increment,
     without_donation,
     zero_count,
@@ -120,6 +123,7 @@ class MultiSteps:
         _validate.boolean("use_grad_mean", use_grad_mean)
         _validate.float_dtype("accumulator_dtype", accumulator_dtype)
         self._opt = opt
+        self._accepted = extra_keywords(opt)  # the keywords ``opt`` takes, and no others
         self._use_grad_mean = use_grad_mean
         self._accumulator_dtype = accumulator_dtype
 
@@ -153,8 +157,9 @@ class MultiSteps:
     def update(
         self, updates: Updates, state: MultiStepsState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MultiStepsState]:
-        if not isinstance(state, MultiStepsState):
-            raise TypeError(f"MultiSteps expects a MultiStepsState, got {type(state).__name__}")
+        # Keywords are checked on every mini-step, also those where ``opt`` does not run.
+        donate = donating(extra, self._accepted)
+        expect_state(state, MultiStepsState, "MultiSteps")
         g, at = tree.split(updates)
         old = at.take(state.acc_grads, "state.acc_grads")
         acc_all = at.flat(state.acc_grads, "state.acc_grads")
@@ -171,7 +176,7 @@ class MultiSteps:
         n = safe_increment(mini).to(torch.float64)
         step = _lists.div_scalar(_lists.sub(g_w, acc_w), n) if self._use_grad_mean else g_w
         # Donation: the old accumulator is never selected again, so it may take the new value.
-        in_place = donating(extra) and _lists.use_foreach(acc_w)
+        in_place = donate and _lists.use_foreach(acc_w)
         if in_place and acc_w and all(a is o for a, o in zip(acc_w, old, strict=True)):
             torch._foreach_add_(acc_w, step)
             acc = acc_w
@@ -240,7 +245,12 @@ class MultiSteps:
         return (state.mini_step == 0) & (state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
-        return GradientTransformation(self.init, self.update)
+        def update(
+            updates: Updates, state: MultiStepsState, params: Params | None = None, **extra: Any
+        ) -> tuple[Updates, MultiStepsState]:
+            return self.update(updates, state, params, **extra)
+
+        return GradientTransformation(self.init, accepting(update, self._accepted))
 
 
 def multi_steps(

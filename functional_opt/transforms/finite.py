@@ -12,6 +12,10 @@ from functional_opt.base import (
     GradientTransformation,
     Params,
     Updates,
+    accepting,
+    check_extra,
+    expect_state,
+    extra_keywords,
     safe_increment,
     without_donation,
     zero_count,
@@ -71,6 +75,7 @@ def apply_if_finite(
     _validate.counter("max_consecutive_errors", max_consecutive_errors)
     if not isinstance(max_consecutive_errors, Tensor):
         max_consecutive_errors = int(max_consecutive_errors)  # a numpy integer too
+    accepted = extra_keywords(inner)  # the keywords ``inner`` takes, and no others
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(
@@ -80,6 +85,8 @@ def apply_if_finite(
     def update_fn(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ApplyIfFiniteState]:
+        check_extra(extra, "apply_if_finite", accepted)
+        expect_state(state, ApplyIfFiniteState, "apply_if_finite")
         g, _ = tree.split(updates)
         finite = _lists.all_finite(g)
         notfinite = torch.where(
@@ -99,4 +106,4 @@ def apply_if_finite(
             select_tree(apply, new_inner, state.inner_state),
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, accepted))

@@ -12,7 +12,17 @@ import torch
 from torch import Tensor
 
 from functional_opt import _validate, tree
-from functional_opt.base import GradientTransformation, Params, Updates, safe_increment, zero_count
+from functional_opt.base import (
+    GradientTransformation,
+    Params,
+    Updates,
+    accepting,
+    check_extra,
+    expect_state,
+    extra_keywords,
+    safe_increment,
+    zero_count,
+)
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -146,9 +156,13 @@ def inject_hyperparams(
                 numeric[name] = value
             else:
                 fixed[name] = value
-        # The plain factory's checks, on the values as given (a GradientTransformation that is
-        # not kept: building one only makes closures).
-        inner_factory(**fixed, **numeric, **{k: _placeholder(v) for k, v in schedules.items()})
+        # The plain factory's checks, on the values as given (building a transform only makes
+        # closures); it also tells which extra keywords the inner transform takes.
+        probe = inner_factory(
+            **fixed, **numeric, **{k: _placeholder(v) for k, v in schedules.items()}
+        )
+        accepted = extra_keywords(probe)
+        where = f"inject_hyperparams({getattr(inner_factory, '__name__', 'inner_factory')})"
 
         def current(
             count: Tensor, stored: dict[str, Tensor], dtype: torch.dtype
@@ -174,6 +188,8 @@ def inject_hyperparams(
             params: Params | None = None,
             **extra: Any,
         ) -> tuple[Updates, InjectHyperparamsState]:
+            check_extra(extra, where, accepted)
+            expect_state(state, InjectHyperparamsState, where)
             stored = state.hyperparams
             dtype = next(
                 (v.dtype for v in stored.values() if v.is_floating_point()),
@@ -184,6 +200,6 @@ def inject_hyperparams(
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
             return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
 
-        return GradientTransformation(init_fn, update_fn)
+        return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
     return wrapped

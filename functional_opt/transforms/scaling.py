@@ -9,9 +9,13 @@ from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
 from functional_opt.base import (
+    EXTRA_KEYWORDS,
     GradientTransformation,
     Params,
     Updates,
+    accepting,
+    donating,
+    expect_state,
     safe_increment,
     stateless,
     zero_count,
@@ -53,12 +57,14 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: ScaleByScheduleState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ScaleByScheduleState]:
-        del params, extra
+        del params
+        donating(extra)  # checks the keywords (and the donation flag); nothing is donated
+        expect_state(state, ScaleByScheduleState, "scale_by_schedule")
         g, at = tree.split(updates)
         step = torch.as_tensor(step_size_fn(state.count))
         return at.updates(_lists.mul(g, step)), ScaleByScheduleState(safe_increment(state.count))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
 def scale_by_learning_rate(
