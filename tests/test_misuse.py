@@ -1040,3 +1040,33 @@ def test_clip_by_global_norm_bound_must_be_normal_float32() -> None:
         fo.clip_by_global_norm(1e-50)
     u, _ = fo.clip_by_global_norm(F32.tiny).update({"w": torch.zeros(3)}, fo.EmptyState())
     assert bool(torch.isfinite(u["w"]).all())
+
+
+def test_wrappers_forward_exactly_their_inner_transforms_keywords() -> None:
+    """``apply_if_finite``, ``MultiSteps`` and ``inject_hyperparams`` accept the keywords their
+    inner transform takes (a user's ``rng=``) and refuse others, on every mini-step."""
+    seen: list[Any] = []
+
+    def noisy(rate: float = 1.0) -> fo.GradientTransformation:
+        def update(updates: Any, state: Any, params: Any = None, *, rng: Any = None) -> Any:
+            seen.append(rng)
+            return updates, state
+
+        return fo.GradientTransformation(lambda p: fo.EmptyState(), update)
+
+    params = {"w": torch.ones(2)}
+    grads = {"w": torch.ones(2)}
+    wrapped = [  # (transform, whether its inner transform runs on steps 0 and 1)
+        (fo.apply_if_finite(noisy(), 2), (True, True)),
+        (fo.multi_steps(noisy(), 2), (False, True)),
+        (fo.inject_hyperparams(noisy)(rate=0.5), (True, True)),
+        (fo.chain(fo.apply_if_finite(noisy(), 2), fo.sgd(0.1)), (True, True)),
+    ]
+    for tx, runs in wrapped:
+        state = tx.init(params)
+        for step in range(2):
+            with pytest.raises(TypeError, match="'inplace'"):
+                tx.update(grads, state, params, inplace=True)
+            seen.clear()
+            _, state = tx.update(grads, state, params, rng=step)
+            assert seen == ([step] if runs[step] else []), seen
