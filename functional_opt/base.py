@@ -147,7 +147,7 @@ def extra_keywords(tx: GradientTransformation) -> frozenset[str] | None:
     """The extra keywords ``tx.update`` accepts (``None``: any), by :func:`check_extra`'s
     rule."""
     fn = tx.update
-    declared: frozenset[str] | None | object = getattr(fn, _ACCEPTS, _UNDECLARED)
+    declared: object = getattr(fn, _ACCEPTS, _UNDECLARED)
     if declared is None or isinstance(declared, frozenset):
         return declared
     if str(getattr(fn, "__module__", None)).startswith("functional_opt."):
