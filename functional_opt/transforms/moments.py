@@ -99,6 +99,8 @@ def scale_by_rms(
     _validate.unit_interval("decay", decay)
     _validate.non_negative("eps", eps)
     _validate.non_negative("initial_scale", initial_scale)
+    _validate.boolean("eps_in_sqrt", eps_in_sqrt)
+    _validate.boolean("bias_correction", bias_correction)
     debias = bias_correction
 
     def init_fn(params: Params) -> ScaleByRmsState | ScaleByRmsWithCountState:
@@ -162,6 +164,8 @@ def scale_by_adam(
     _validate.unit_interval("b2", b2)
     _validate.non_negative("eps", eps)
     _validate.non_negative("eps_root", eps_root)
+    _validate.float_dtype("mu_dtype", mu_dtype)
+    _validate.boolean("nesterov", nesterov)
 
     def init_fn(params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(
@@ -214,6 +218,8 @@ def trace(
 ) -> GradientTransformation:
     """Momentum: ``m <- u + decay * m``; ``u -> m`` (Nesterov: ``u -> u + decay * m``)."""
     _validate.unit_interval("decay", decay)
+    _validate.boolean("nesterov", nesterov)
+    _validate.float_dtype("accumulator_dtype", accumulator_dtype)
 
     def init_fn(params: Params) -> TraceState:
         return TraceState(_full_like(params, 0.0, accumulator_dtype))
@@ -254,6 +260,8 @@ def ema(
     """Exponential moving average: ``m <- decay * m + (1 - decay) * u``; ``u -> m``, divided by
     ``1 - decay**t`` when ``debias``."""
     _validate.unit_interval("decay", decay)
+    _validate.boolean("debias", debias)
+    _validate.float_dtype("accumulator_dtype", accumulator_dtype)
     spec: MomentDtype = accumulator_dtype if accumulator_dtype is not None else _moment_dtype
 
     def init_fn(params: Params) -> EmaState:
