@@ -105,13 +105,6 @@ PASS_THROUGH = frozenset(
 )
 MASKED = frozenset({"add_decayed_weights_masked", "masked"})
 
-# Needs a change in a file owned elsewhere (the transform does not look at its keywords).
-KEYWORDS_UNCHECKED = {
-    "scale_by_schedule": "scaling.py: scale_by_schedule's update must call base.check_extra",
-    "scale_by_learning_rate_schedule": "the same (scale_by_learning_rate(schedule) is "
-    "scale_by_schedule)",
-}
-
 SETTINGS = settings(max_examples=8, deadline=None, database=None)
 
 
@@ -285,19 +278,8 @@ def test_mismatched_trees_name_the_first_differing_path(
     assert f"['{key}']" in str(err.value) or f"['q{key}']" in str(err.value), str(err.value)
 
 
-# Need a state check in a file owned elsewhere: the error is an AttributeError today.
-STATE_UNCHECKED = {
-    "scale_by_schedule": "scaling.py",
-    "scale_by_learning_rate_schedule": "scaling.py",
-    "apply_if_finite": "finite.py",
-    "inject_hyperparams": "hyperparams.py",
-}
-
-
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_another_transforms_state_is_refused(name: str) -> None:
-    if name in STATE_UNCHECKED:
-        pytest.xfail(f"needs a state check in {STATE_UNCHECKED[name]}")
     params = {"w": torch.ones(3), "b": torch.ones(2)}
     grads = {"w": torch.ones(3), "b": torch.ones(2)}
     tx = TRANSFORMS[name]()
@@ -343,8 +325,6 @@ def test_dreamerv3_fast_paths_name_a_wrong_state(packed: bool, flag: bool | str)
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 @pytest.mark.parametrize("flag", [None, "state", True])
 def test_unknown_keywords_are_a_type_error(name: str, flag: bool | str | None) -> None:
-    if name in KEYWORDS_UNCHECKED:
-        pytest.xfail(KEYWORDS_UNCHECKED[name])
     params = {"w": torch.ones(3), "b": torch.ones(2)}
     tx = TRANSFORMS[name]()
     state = tx.init(params)
