@@ -105,6 +105,37 @@ PASS_THROUGH = frozenset(
 )
 MASKED = frozenset({"add_decayed_weights_masked", "masked"})
 
+# Public callables of ``functional_opt`` that do not build a transform.
+NOT_TRANSFORMS = frozenset(
+    {
+        "apply_updates",
+        "constant_schedule",
+        "cosine_decay_schedule",
+        "dreamerv3_metrics",
+        "dreamerv3_schedule",
+        "join_schedules",
+        "linear_schedule",
+        "pack",
+        "safe_increment",
+        "state_from_dict",
+        "state_to_dict",
+        "warmup_cosine_decay_schedule",
+    }
+)
+
+
+def test_every_public_transform_is_covered() -> None:
+    """Each public factory of a transform is in ``TRANSFORMS`` (a new one must be added)."""
+    public = {
+        name
+        for name in fo.__all__
+        if callable(getattr(fo, name))
+        and (not isinstance(getattr(fo, name), type) or name == "MultiSteps")
+        and name not in NOT_TRANSFORMS
+    }
+    assert public - set(TRANSFORMS) == set()
+
+
 SETTINGS = settings(max_examples=8, deadline=None, database=None)
 
 
