@@ -1084,3 +1084,18 @@ def test_wrappers_forward_exactly_their_inner_transforms_keywords() -> None:
             seen.clear()
             _, state = tx.update(grads, state, params, rng=step)
             assert seen == ([step] if runs[step] else []), seen
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """numpy scalars (from configs, ``np.linspace`` sweeps) are numbers: checked like Python
+    ones, and injected as hyperparameters (a float32 one as a float, not cast to int64)."""
+    np = pytest.importorskip("numpy")
+    fo.adam(np.float32(0.1), b1=np.float64(0.9))
+    fo.MultiSteps(fo.sgd(0.1), np.int64(3))
+    with pytest.raises(ValueError, match="every_k_schedule"):
+        fo.MultiSteps(fo.sgd(0.1), np.int64(2**40))
+    with pytest.raises(TypeError, match="learning_rate"):
+        fo.sgd(np.bool_(True))
+    state = fo.inject_hyperparams(fo.sgd)(np.float32(0.25)).init({"w": torch.ones(2)})
+    assert state.hyperparams["learning_rate"].dtype == torch.float32
+    assert float(state.hyperparams["learning_rate"]) == 0.25

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -48,11 +49,11 @@ def _highest_float_dtype(params: Params) -> torch.dtype:
 def _as_tensor(value: Any, dtype: torch.dtype, name: str = "value") -> Tensor:
     if isinstance(value, Tensor):
         return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, float):
-        return torch.tensor(value, dtype=dtype)
-    if not -(2**63) <= value < 2**63:
+    if not isinstance(value, numbers.Integral):  # a float (numpy's too)
+        return torch.tensor(float(value), dtype=dtype)
+    if not -(2**63) <= int(value) < 2**63:
         raise ValueError(f"{name} must fit an int64 tensor to be injected, got {value!r}")
-    return torch.tensor(value, dtype=torch.int64)
+    return torch.tensor(int(value), dtype=torch.int64)
 
 
 def _placeholder(value: Any) -> Any:
@@ -73,11 +74,15 @@ def _check_rounded(
     dtype they are stored in): a value valid as given can become invalid there (``b2 =
     0.99999999`` is 1.0 in float32, and then ``1 - b2**t`` is 0). Raises ``ValueError``
     naming the first such value."""
+
+    def is_float(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral)
+
     rounded = {
-        k: torch.tensor(v, dtype=dtype).item() if isinstance(v, float) else v
+        k: torch.tensor(float(v), dtype=dtype).item() if is_float(v) else v
         for k, v in numeric.items()
     }
-    changed = [k for k, v in numeric.items() if isinstance(v, float) and rounded[k] != v]
+    changed = [k for k, v in numeric.items() if is_float(v) and rounded[k] != v]
     if not changed:
         return
     stand_ins = {k: _placeholder(v) for k, v in schedules.items()}
@@ -150,7 +155,7 @@ def inject_hyperparams(
                 fixed[name] = value
             elif callable(value):
                 schedules[name] = value
-            elif isinstance(value, (int, float)) or (
+            elif isinstance(value, numbers.Real) or (
                 isinstance(value, Tensor) and value.dim() == 0
             ):
                 numeric[name] = value
