@@ -355,58 +355,8 @@ REGISTRY: dict[str, tuple[Callable[..., Any], dict[str, Kind]]] = {
 
 CASES = [(name, arg) for name, (_, kinds) in REGISTRY.items() for arg in kinds]
 
-# Known gaps, outside this suite's files: transforms/moments.py does not type-check its flags
-# and dtypes yet (a truthy string switches ``nesterov`` on). Strict: fixing them fails these
-# marks, which are then to be removed.
-GAPS = {
-    ("scale_by_rms", "eps_in_sqrt"),
-    ("scale_by_rms", "bias_correction"),
-    ("scale_by_adam", "mu_dtype"),
-    ("scale_by_adam", "nesterov"),
-    ("trace", "nesterov"),
-    ("trace", "accumulator_dtype"),
-    ("ema", "debias"),
-    ("ema", "accumulator_dtype"),
-}
-BAD_CASES = [
-    pytest.param(
-        n,
-        a,
-        id=f"{n}-{a}",
-        marks=[pytest.mark.xfail(strict=True, reason="moments.py: flags/dtypes unchecked")]
-        if (n, a) in GAPS
-        else [],
-    )
-    for n, a in CASES
-]
 
-
-def test_every_public_factory_is_covered() -> None:
-    """Each public callable that builds a transform, a schedule or a loss scale is in the
-    registry (a new one must be added)."""
-    not_factories = {
-        "apply_updates",
-        "state_from_dict",
-        "state_to_dict",
-        "pack",
-        "dreamerv3_metrics",
-        "safe_increment",
-        "identity",
-        "named_chain",  # takes (name, transform) pairs: tested below
-        "partition",  # takes a mapping of transforms: tested below
-    }
-    public = {
-        name
-        for name in fo.__all__
-        if callable(getattr(fo, name))
-        and not isinstance(getattr(fo, name), type)
-        and name not in not_factories
-    }
-    covered = {name.split("(")[0] for name in REGISTRY}
-    assert public - covered == set()
-
-
-@pytest.mark.parametrize(("name", "arg"), BAD_CASES)
+@pytest.mark.parametrize(("name", "arg"), CASES, ids=[f"{n}-{a}" for n, a in CASES])
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_bad_value_is_refused_naming_the_argument(name: str, arg: str, data: st.DataObject) -> None:
