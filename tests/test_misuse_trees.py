@@ -548,3 +548,35 @@ def test_dreamerv3_on_complex_params_squares_moduli_on_every_path() -> None:
         assert_bitwise(_tensors(s_packed[1].nu), _tensors(s_fused[1].nu))
         assert_bitwise(s_fused[1].nu, s_chain[1].nu)
         assert all(bool((x.imag == 0).all()) for x in _tensors(s_fused[1].nu))
+
+
+@pytest.mark.numerics
+def test_adaptive_grad_clip_on_complex_params_uses_moduli() -> None:
+    """Unit norms of complex tensors sum ``|x|^2`` (``x * x`` would be complex and mix signs):
+    equal to a complex128 reference computed from ``abs``."""
+    gen = torch.Generator().manual_seed(5)
+    parts = torch.randn(4, 3, 4, generator=gen, dtype=torch.float64)
+    params = {"w": torch.complex(parts[0], parts[1])}
+    grads = {"w": 10 * torch.complex(parts[2], parts[3])}
+    tx = fo.adaptive_grad_clip(0.1)
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((x.abs() ** 2).sum(0, keepdim=True)).expand(x.shape)
+
+    bound = 0.1 * torch.clamp(unit(params["w"]), min=1e-3)
+    g_norm = unit(grads["w"])
+    g = grads["w"]
+    want = torch.where(g_norm < bound, g, g * (bound / torch.clamp(g_norm, min=1e-6)))
+    assert bool((g_norm >= bound).any())  # some unit is clipped
+    # Per component: |x|^2 (3 roundings), a sum of 3 terms (3), sqrt (1), the bound (2), the
+    # ratio (1) and the product (2), in each of the two codes: 12 roundings.
+    assert_close_rounding(updates, {"w": want}, dtype=torch.float64, ops=2 * 12, check_dtype=False)
+
+
+def test_clip_refuses_complex_updates_naming_the_leaf() -> None:
+    params = {"a": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)}
+    grads = {"a": torch.ones(2), "z": torch.ones(2, dtype=torch.complex64)}
+    tx = fo.clip(1.0)
+    with pytest.raises(TypeError, match=r"\['z'\].*complex"):
+        tx.update(grads, tx.init(params), params)

@@ -26,6 +26,13 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
     def apply(updates: Updates, params: Params | None) -> Updates:
         del params
         g, at = tree.split(updates)
+        for i, x in zip(at.index, g, strict=True):
+            if x.is_complex():
+                raise TypeError(
+                    f"clip: the updates at {at.path(i)} are complex ({x.dtype}), which have no "
+                    "order to clamp in; clip their real and imaginary parts or their modulus "
+                    "with a transform of your own"
+                )
         return at.updates(_lists.clamp(g, -max_delta, max_delta))
 
     return stateless(apply)
@@ -51,15 +58,17 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
 
 def unitwise_norm(x: Tensor) -> Tensor:
     """L2 norm per output unit, broadcast to ``x.shape`` (optax's layout: scalars and vectors
-    whole, 2-D/3-D over axis 0, 4-D over axes 0-2, 5-D over axes 0-3)."""
+    whole, 2-D/3-D over axis 0, 4-D over axes 0-2, 5-D over axes 0-3); complex ``x`` sums
+    ``|x|^2``."""
+    x2 = torch.real(x * x.conj()) if x.is_complex() else x * x  # |x|^2 for complex x
     if x.squeeze().dim() <= 1:
-        sq = torch.sum(x * x, dim=tuple(range(x.dim())), keepdim=True)
+        sq = torch.sum(x2, dim=tuple(range(x.dim())), keepdim=True)
     elif x.dim() in (2, 3):
-        sq = torch.sum(x * x, dim=0, keepdim=True)
+        sq = torch.sum(x2, dim=0, keepdim=True)
     elif x.dim() == 4:
-        sq = torch.sum(x * x, dim=(0, 1, 2), keepdim=True)
+        sq = torch.sum(x2, dim=(0, 1, 2), keepdim=True)
     elif x.dim() == 5:
-        sq = torch.sum(x * x, dim=(0, 1, 2, 3), keepdim=True)
+        sq = torch.sum(x2, dim=(0, 1, 2, 3), keepdim=True)
     else:
         raise ValueError(f"unitwise_norm: expected a tensor of rank <= 5, got shape {x.shape}")
     return torch.broadcast_to(torch.sqrt(sq), x.shape)
