@@ -246,7 +246,8 @@ def stateless(
     fn: Callable[[Updates, Params | None], Updates], name: str | None = None
 ) -> GradientTransformation:
     """A transform without state: ``update`` returns ``fn(updates, params)`` and the
-    ``EmptyState`` it was given. It accepts the library's extra keywords only
+    ``EmptyState`` it was given. Given ``params``, it refuses updates of another shape (naming
+    the leaf), as every transform does. It accepts the library's extra keywords only
     (:func:`check_extra`); ``name`` (default: the function that made ``fn``) names it in
     errors."""
     where = name or fn.__qualname__.split(".<locals>")[0]
@@ -266,6 +267,8 @@ def stateless(
                 f"{where} is stateless: its state is EmptyState(), got {describe(state)} (the "
                 "state of another transform?)"
             )
+        if params is not None:  # a gradient of another shape is refused, never passed on
+            tree.split(updates)[1].take(params, "params")
         return fn(updates, params), state
 
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -118,7 +118,9 @@ def _masked(
         keep = bools(params if params is not None else updates)
         inner_params = None
         if params is not None:
-            p = tree.Leaves(u, spec, updates).flat(params, "params")
+            where_u = tree.Leaves(u, spec, updates)
+            p = where_u.flat(params, "params")
+            where_u.take(params, "params")  # shapes of every present leaf, masked or not
             inner_params = tree.unflatten(spec, _select(p, keep))
         new_u, inner_state = inner.update(
             tree.unflatten(spec, _select(u, keep)), state.inner_state, inner_params, **extra

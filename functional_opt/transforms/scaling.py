@@ -57,10 +57,11 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: ScaleByScheduleState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ScaleByScheduleState]:
-        del params
         donating(extra)  # checks the keywords (and the donation flag); nothing is donated
         expect_state(state, ScaleByScheduleState, "scale_by_schedule")
         g, at = tree.split(updates)
+        if params is not None:
+            at.take(params, "params")  # a gradient of another shape is refused, never passed on
         step = torch.as_tensor(step_size_fn(state.count))
         return at.updates(_lists.mul(g, step)), ScaleByScheduleState(safe_increment(state.count))
 
