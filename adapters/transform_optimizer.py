@@ -45,9 +45,14 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from functional_opt import _lists, _validate, tree
-from functional_opt.base import GradientTransformation
+from functional_opt.base import (
+    DONATE,
+    GradientTransformation,
+    UnknownStepSize,
+    extra_keywords,
+    step_size,
+)
 from functional_opt.checkpoint import state_paths
-from functional_opt.transforms.accumulation import MultiSteps
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
 __all__ = ["GROUP_STATE_KEY", "ParamSlots", "TransformOptimizer"]
@@ -128,108 +133,14 @@ def _short_names(paths: Sequence[tuple[str, ...]]) -> list[str]:
 # The learning rate of a ready-made transform.
 
 
-class _NoStepSize(Exception):
-    """The step size of a transform could not be found (the message says why)."""
-
-
-def _cells(fn: Any) -> dict[str, Any]:
-    """The closure variables of a Python function, by name."""
-    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-    if code is None or not closure:
-        return {}
-    out = {}
-    for name, cell in zip(code.co_freevars, closure, strict=False):
-        try:
-            out[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    return out
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or value.is_complex():
-            raise _NoStepSize(f"{what} is not a real 0-d tensor")
-        return float(value.detach().to(device="cpu", dtype=torch.float64))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _NoStepSize(f"{what} is a {type(value).__name__}")
-    return float(value)
-
-
-# The library's constructs, by (module, qualified name) of their ``update`` function: those that
-# return what the transform in one of their closure variables returns (their last stage), and
-# those that end in a constant factor.
-_LAST_STAGE = {
-    ("functional_opt.base", "named_chain.<locals>.update_fn"): "inner",
-    ("functional_opt.dreamerv3", "dreamerv3.<locals>.update_fn"): "reference",
-    # skipped steps give zero updates: still proportional to the inner transform's step size
-    ("functional_opt.transforms.finite", "apply_if_finite.<locals>.update_fn"): "inner",
-}
-_CHAIN = ("functional_opt.base", "chain.<locals>.update_fn")
-_STATELESS = ("functional_opt.base", "stateless.<locals>.update_fn")
-_SCALE = ("functional_opt.transforms.scaling", "scale.<locals>.apply")
-_SCHEDULED = ("functional_opt.transforms.scaling", "scale_by_schedule.<locals>.update_fn")
-_LR_SCHEDULE = ("functional_opt.transforms.scaling", "scale_by_learning_rate.<locals>.<lambda>")
-_DREAMERV3_SCHEDULE = ("functional_opt.dreamerv3", "dreamerv3_schedule.<locals>.fn")
-
-
-def _where(fn: Any) -> tuple[str, str]:
-    return str(getattr(fn, "__module__", "")), str(getattr(fn, "__qualname__", type(fn).__name__))
-
-
-def _step_size(tx: GradientTransformation) -> tuple[float, bool]:
-    """``(factor, whole)``: every update of ``tx`` is ``factor`` times a quantity that does not
-    depend on it, and ``whole`` says whether ``tx`` is nothing but that factor (then the stage
-    before it contributes too). Raises :class:`_NoStepSize`."""
-    fn = tx.update
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, MultiSteps) and getattr(fn, "__func__", None) is MultiSteps.update:
-        return _step_size(owner.inner_opt)[0], False  # emits 0 or the inner transform's update
-    where = _where(fn)
-    cells = _cells(fn)
-    if where == _CHAIN and isinstance(cells.get("transforms"), tuple):
-        total, found = 1.0, False
-        for member in reversed(cells["transforms"]):
-            try:
-                factor, whole = _step_size(member)
-            except _NoStepSize:
-                if found:
-                    return total, False
-                raise
-            total, found = total * factor, True
-            if not whole:
-                return total, False
-        if not found:
-            raise _NoStepSize("it is an empty chain")
-        return total, True
-    if where in _LAST_STAGE and isinstance(cells.get(_LAST_STAGE[where]), GradientTransformation):
-        return _step_size(cells[_LAST_STAGE[where]])[0], False
-    if where == _STATELESS and _where(cells.get("fn")) == _SCALE:
-        step = _cells(cells["fn"]).get("step_size")
-        return _number(step, "the step size of its scale stage"), True
-    if where == _SCHEDULED:
-        schedule = cells.get("step_size_fn")
-        if _where(schedule) == _LR_SCHEDULE:
-            inner = _cells(schedule)
-            if _where(inner.get("schedule")) == _DREAMERV3_SCHEDULE:
-                # lr times a warm-up and decay factor that do not depend on lr
-                lr = _number(_cells(inner["schedule"]).get("lr"), "dreamerv3's lr")
-                return _number(inner.get("sign"), "its sign") * lr, False
-        raise _NoStepSize(
-            "its learning rate is a schedule built into it, which group['lr'] cannot rescale"
-        )
-    name = where[1] if where[0].startswith("functional_opt") else f"{where[0]}.{where[1]}"
-    raise _NoStepSize(f"its last stage ({name}) is not a constant learning-rate scaling")
-
-
 def _learning_rate(tx: GradientTransformation, owner: str) -> float:
     """The learning rate a ready-made ``tx`` was built with: the magnitude of the constant
     factor of its last stage(s); raises ``ValueError`` (saying how to write it) if none."""
     try:
-        factor = abs(_step_size(tx)[0])
+        factor = abs(step_size(tx).factor)
         if not (math.isfinite(factor) and factor > 0):
-            raise _NoStepSize(f"its learning rate is {factor}")
-    except _NoStepSize as why:
+            raise UnknownStepSize(f"its learning rate is {factor}")
+    except UnknownStepSize as why:
         raise ValueError(
             f"{owner}: cannot find the learning rate of this transform ({why}), so param "
             "groups' 'lr' (what LR schedulers set) could not drive its step. Pass a factory and "
@@ -305,11 +216,12 @@ class TransformOptimizer(torch.optim.Optimizer):
     :class:`ParamSlots`, i.e. with the structure of the group's params.
 
     **A ready-made transform** takes no options, but its groups have an ``lr`` all the same:
-    the learning rate it was built with (``fo.adam(1e-3)``: ``1e-3``), found at construction as
-    the constant factor its updates end with: the step size of a final ``scale`` (what
-    ``scale_by_learning_rate`` and the aliases end with; several trailing ones multiply), or
-    dreamerv3's ``lr`` (its warm-up and decay are factors on top), through ``chain``,
-    ``named_chain``, ``apply_if_finite`` and ``MultiSteps``. A step then applies
+    the learning rate it was built with (``fo.adam(1e-3)``: ``1e-3``), read at construction from
+    what the transform declares about its updates (:func:`functional_opt.base.step_size`): the
+    step size of a final ``scale`` (what ``scale_by_learning_rate`` and the aliases end with;
+    several trailing ones multiply), or dreamerv3's ``lr`` (its warm-up and decay are factors on
+    top), through ``chain``, ``named_chain``, ``apply_if_finite`` and ``MultiSteps``. A step
+    then applies
     ``p <- p + (group["lr"] / built_lr) * u``: the update of the transform built with
     ``group["lr"]`` (to float32 rounding; bit for bit while the two are equal), so LR schedulers,
     a param-group ``"lr"`` and ``lr = 0`` (params frozen) drive it. A transform whose learning
@@ -814,9 +726,12 @@ class TransformOptimizer(torch.optim.Optimizer):
                 outer.append(None)
         state = optree.tree_unflatten(layout.spec, outer)
         # The optimizer owns the state, so it is donated (moments update in their own buffers);
-        # the gradients are the user's, so they are not ("state": never written).
+        # the gradients are the user's, so they are not ("state": never written). A transform
+        # of the user's that takes no ``donate`` keyword is called without it.
+        accepted = extra_keywords(layout.tx)
+        donation = {DONATE: "state"} if accepted is None or DONATE in accepted else {}
         updates, new_state = layout.tx.update(
-            ParamSlots(grads), state, ParamSlots(params), donate="state"
+            ParamSlots(grads), state, ParamSlots(params), **donation
         )
 
         new_outer, spec = _flatten_outer(new_state)

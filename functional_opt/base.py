@@ -19,6 +19,8 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "InitFn",
+    "StepSize",
+    "UnknownStepSize",
     "Params",
     "Schedule",
     "UpdateFn",
@@ -27,6 +29,7 @@ __all__ = [
     "accepting",
     "chain",
     "check_extra",
+    "declare_step_size",
     "describe",
     "donating",
     "donating_updates",
@@ -37,6 +40,7 @@ __all__ = [
     "safe_increment",
     "state_donation",
     "stateless",
+    "step_size",
     "without_donation",
     "zero_count",
 ]
@@ -221,6 +225,88 @@ def state_donation(extra: dict[str, Any]) -> dict[str, Any]:
     return {**extra, DONATE: STATE_ONLY} if _flag(extra) else extra
 
 
+class StepSize(NamedTuple):
+    """What a transform declares about the size of its updates (see :func:`step_size`)."""
+
+    factor: float
+    """Every update is ``factor`` times a quantity that does not depend on ``factor`` (for
+    ``adam(lr)``: ``-lr``)."""
+    whole: bool
+    """The transform is nothing but that factor (``scale``): the factor of the stage before it
+    multiplies in."""
+
+
+class UnknownStepSize(ValueError):
+    """A transform's step size cannot be told from its declarations; the message says why."""
+
+
+_STEP_SIZE = "__functional_opt_step_size__"
+
+
+def declare_step_size(
+    update: Callable[..., Any], declared: Callable[[], StepSize]
+) -> Callable[..., Any]:
+    """Declares how ``update`` scales its updates: ``declared()`` returns its
+    :class:`StepSize` (or raises :class:`UnknownStepSize` saying why there is none); returns
+    ``update``. Each construct of the library declares its own: ``scale`` its constant, ``chain``
+    what its last members multiply to, wrappers whose updates are their inner transform's
+    (``apply_if_finite``, ``MultiSteps``, ``named_chain``) the inner one's, ``dreamerv3`` its
+    ``-lr`` (warm-up and decay are factors on top)."""
+    setattr(update, _STEP_SIZE, declared)
+    return update
+
+
+def step_size(tx: GradientTransformation) -> StepSize:
+    """The :class:`StepSize` that ``tx`` declares, e.g. ``StepSize(-1e-3, False)`` for
+    ``chain(clip_by_global_norm(1.0), adam(1e-3))``: what lets ``TransformOptimizer`` drive a
+    ready-made transform with ``group["lr"]``. Raises :class:`UnknownStepSize` when ``tx``
+    (or its last stage) declares none: a transform of your own, ``masked``/``partition``, a
+    schedule built into the transform."""
+    declared = getattr(tx.update, _STEP_SIZE, None)
+    if declared is None:
+        fn = tx.update
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        raise UnknownStepSize(f"its last stage ({name}) declares no constant step size")
+    out: StepSize = declared()
+    return out
+
+
+def constant_step_size(value: float | Tensor, what: str) -> StepSize:
+    """A whole :class:`StepSize` of a constant (a Python number or a real 0-d tensor)."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.is_complex():
+            raise UnknownStepSize(f"{what} is not a real 0-d tensor")
+        return StepSize(float(value.detach().to(device="cpu", dtype=torch.float64)), True)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnknownStepSize(f"{what} is a {type(value).__name__}")
+    return StepSize(float(value), True)
+
+
+def inner_step_size(inner: GradientTransformation) -> Callable[[], StepSize]:
+    """The declaration of a wrapper whose updates are ``inner``'s (or zero): ``inner``'s
+    factor, not whole."""
+    return lambda: StepSize(step_size(inner).factor, False)
+
+
+def _chain_step_size(transforms: tuple[GradientTransformation, ...]) -> StepSize:
+    """The product of the factors of a chain's last members, back to the first that is not
+    a bare factor; whole when every member is one."""
+    total, found = 1.0, False
+    for member in reversed(transforms):
+        try:
+            factor, whole = step_size(member)
+        except UnknownStepSize:
+            if found:
+                return StepSize(total, False)
+            raise
+        total, found = total * factor, True
+        if not whole:
+            return StepSize(total, False)
+    if not found:
+        raise UnknownStepSize("it is an empty chain")
+    return StepSize(total, True)
+
+
 def describe(state: Any) -> str:
     """A short description of a state's kind for error messages, e.g. ``a tuple of 2 states``
     or ``a ScaleByAdamState``."""
@@ -324,6 +410,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
+    declare_step_size(update_fn, lambda: _chain_step_size(transforms))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
@@ -348,6 +435,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         updates, states = inner.update(updates, tuple(state[n] for n in names), params, **extra)
         return updates, dict(zip(names, states, strict=True))
 
+    declare_step_size(update_fn, inner_step_size(inner))
     return GradientTransformation(init_fn, accepting(update_fn, extra_keywords(inner)))
 
 

@@ -16,8 +16,11 @@ from functional_opt.base import (
     GradientTransformation,
     OptState,
     Params,
+    StepSize,
     Updates,
     chain,
+    constant_step_size,
+    declare_step_size,
     donating,
     donating_updates,
 )
@@ -153,6 +156,11 @@ def dreamerv3(
     parts.append(add_decayed_weights(weight_decay, weight_decay_mask))
     parts.append(scale_by_learning_rate(sched))
     reference = chain(*parts)
+
+    def declared() -> StepSize:  # -lr times warm-up and decay factors that do not depend on lr
+        return StepSize(-constant_step_size(lr, "dreamerv3's lr").factor, False)
+
+    declare_step_size(reference.update, declared)
     if weight_decay_mask is not None or not _fused:
         return reference
     hyper = Hyper(agc, pmin, beta1, beta2, eps, weight_decay, momentum, nesterov, sched)
@@ -171,6 +179,7 @@ def dreamerv3(
             out = _into_donated(updates, out)
         return out, new_state
 
+    declare_step_size(update_fn, declared)
     return GradientTransformation(reference.init, update_fn)
 
 

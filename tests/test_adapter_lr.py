@@ -237,3 +237,26 @@ def test_a_ready_made_lr_survives_a_checkpoint() -> None:
     twin = TransformOptimizer([p.detach().clone().requires_grad_() for p in params], fo.adam(1e-3))
     twin.load_state_dict(opt.state_dict())
     assert twin.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-3 / 8
+
+
+def test_a_users_transform_that_declares_its_step_size_gets_an_lr() -> None:
+    """``declare_step_size`` is how any transform (the library's or a user's) tells the adapter
+    its learning rate; without it a user's transform is refused at construction."""
+
+    def signed_sgd(lr: float) -> fo.GradientTransformation:
+        def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+            return fo.tree.map_params(lambda u: -lr * torch.sign(u), updates), state
+
+        return fo.GradientTransformation(lambda params: fo.EmptyState(), update)
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    with pytest.raises(ValueError, match="declares no constant step size"):
+        TransformOptimizer([p], signed_sgd(0.5))
+    tx = signed_sgd(0.5)
+    fo.base.declare_step_size(tx.update, lambda: fo.base.StepSize(-0.5, False))
+    opt = TransformOptimizer([p], tx)
+    assert opt.param_groups[0]["lr"] == 0.5
+    opt.param_groups[0]["lr"] = 0.25
+    p.grad = torch.tensor([3.0, -1.0])
+    opt.step()
+    assert torch.equal(p.detach(), torch.tensor([0.75, -1.75]))

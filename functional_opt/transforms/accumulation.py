@@ -15,9 +15,11 @@ from functional_opt.base import (
     Params,
     Updates,
     accepting,
+    declare_step_size,
     donating,
     expect_state,
     extra_keywords,
+    inner_step_size,
     safe_increment,
     without_donation,
     zero_count,
@@ -250,6 +252,7 @@ class MultiSteps:
         ) -> tuple[Updates, MultiStepsState]:
             return self.update(updates, state, params, **extra)
 
+        declare_step_size(update, inner_step_size(self._opt))  # emits 0 or the inner update
         return GradientTransformation(self.init, accepting(update, self._accepted))
 
 

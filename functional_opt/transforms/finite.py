@@ -14,8 +14,10 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_step_size,
     expect_state,
     extra_keywords,
+    inner_step_size,
     safe_increment,
     without_donation,
     zero_count,
@@ -106,4 +108,6 @@ def apply_if_finite(
             select_tree(apply, new_inner, state.inner_state),
         )
 
+    # skipped steps give zero updates: still proportional to the inner transform's step size
+    declare_step_size(update_fn, inner_step_size(inner))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))

@@ -12,8 +12,12 @@ from functional_opt.base import (
     EXTRA_KEYWORDS,
     GradientTransformation,
     Params,
+    StepSize,
+    UnknownStepSize,
     Updates,
     accepting,
+    constant_step_size,
+    declare_step_size,
     donating,
     expect_state,
     safe_increment,
@@ -40,7 +44,9 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
         g, at = tree.split(updates)
         return at.updates(_lists.mul(g, step_size))
 
-    return stateless(apply)
+    tx = stateless(apply)
+    declare_step_size(tx.update, lambda: constant_step_size(step_size, "its scale's step size"))
+    return tx
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
@@ -65,6 +71,10 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         step = torch.as_tensor(step_size_fn(state.count))
         return at.updates(_lists.mul(g, step)), ScaleByScheduleState(safe_increment(state.count))
 
+    def declared() -> StepSize:
+        raise UnknownStepSize("its step size is a schedule built into it")
+
+    declare_step_size(update_fn, declared)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
