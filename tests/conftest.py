@@ -87,6 +87,16 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{NUMERICS}: results depend on the CPU code path (ATen/inductor vector ISA); "
         "`make test` runs these again under ATEN_CPU_CAPABILITY (see tests/README.md)",
     )
+    if _CAPABILITY:  # torch ignores a value it cannot honour: then this pass would repeat the first
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        aten = torch.backends.cpu.get_cpu_capability().lower()
+        inductor = str(pick_vec_isa()).split()[0].lower() if pick_vec_isa() else "default"
+        if aten != _CAPABILITY or inductor != _CAPABILITY:
+            raise pytest.UsageError(
+                f"ATEN_CPU_CAPABILITY={_CAPABILITY!r} is not in effect (ATen runs {aten!r}, "
+                f"inductor generates {inductor!r}): this CPU or torch build cannot run that path"
+            )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

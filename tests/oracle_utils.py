@@ -35,7 +35,6 @@ jax.config.update("jax_platforms", "cpu")
 STEPS = 12
 
 
-
 def step_ops(params: Any) -> int:
     """Roundings of one update of a transform on ``params``: :data:`ELEMENTWISE_OPS` plus a norm
     over at most every element of the tree (a sum of ``n`` squares: ``n + 1`` roundings, which

@@ -12,8 +12,6 @@ from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreame
 import functional_opt as fo
 from functional_opt._dreamerv3_fused import KERNEL_MIN
 
-pytestmark = pytest.mark.numerics
-
 
 def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
@@ -56,6 +54,7 @@ CASES = [(name, False) for name in sorted(TRANSFORMS)]
 CASES += [(name, True) for name in sorted(TRANSFORMS) if "dreamerv3" in name]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("name", "big"), CASES, ids=[f"{n}-{'big' if b else 'small'}" for n, b in CASES]
 )
@@ -146,6 +145,7 @@ def test_chain_donates_updates_to_its_first_transform_only() -> None:
     assert seen == [True, "state", "state", "state", None, None]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("big", [False, True], ids=["small", "large-leaf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_apply_updates_donated_is_identical_and_in_place(dtype: torch.dtype, big: bool) -> None:
@@ -179,6 +179,7 @@ def test_apply_updates_donated_stays_pure_where_in_place_is_unsafe() -> None:
         fo.apply_updates(narrow, narrow, donate="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
@@ -217,6 +218,7 @@ def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
         assert all(p._base is flat_p for p in params)
 
 
+@pytest.mark.numerics
 def test_dreamerv3_leaves_flat_gradients_that_autograd_tracks() -> None:
     # rows of a buffer autograd tracks cannot take the update in place: an update autograd
     # records runs the chain, and the buffer keeps its values

@@ -13,8 +13,6 @@ from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreame
 import functional_opt as fo
 from functional_opt._dreamerv3_fused import KERNEL_MIN
 
-pytestmark = pytest.mark.numerics
-
 OPTIONS = [
     {},
     {"nesterov": True},
@@ -36,6 +34,7 @@ def _tree(gen: torch.Generator, dtype: torch.dtype, drop: bool) -> dict[str, obj
     }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("donate", [False, True])
@@ -159,6 +158,7 @@ def _mixed(gen: torch.Generator, dtype: torch.dtype, step: int = 0) -> dict[str,
 
 # (bfloat16: a 0-d leaf whose weight decay nearly cancels its step is far smaller than its
 # terms; the bound is relative to the terms, which the magnitude run gives)
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", [{}, {"weight_decay": 0.1}])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_kernel_routing_of_mixed_leaves_matches_chain(
@@ -178,6 +178,7 @@ def test_kernel_paths_match_chain_and_donation(
     _check_kernel_paths(options, dtype, make)
 
 
+@pytest.mark.numerics
 def test_kernel_falls_back_to_eager_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     from functional_opt import _kernels
 

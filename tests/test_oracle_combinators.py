@@ -25,8 +25,6 @@ from oracle_utils import (
 
 import functional_opt as fo
 
-pytestmark = pytest.mark.numerics
-
 SEEDS = (0, 3)
 
 
@@ -42,6 +40,7 @@ def random_mask(seed, params):
 # --- chain / named_chain ----------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chain_matches_optax(seed):
     params = random_params(seed)

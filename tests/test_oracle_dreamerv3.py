@@ -28,8 +28,6 @@ import functional_opt as fo
 from functional_opt import _kernels
 from functional_opt._dreamerv3_fused import KERNEL_MIN, RUN_MIN
 
-pytestmark = pytest.mark.numerics
-
 LR = 0.05
 WARMUP = 3
 ANNEAL = 9
@@ -196,6 +194,7 @@ def test_dreamerv3_linear_with_anneal_not_after_warmup_is_constant(warmup):
     )
 
 
+@pytest.mark.numerics
 def test_dreamerv3_defaults_match_reference():
     params = _params(3)
     compare_run(
@@ -246,6 +245,7 @@ def _options(options):
     return {"anneal": ANNEAL, **options}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", ROUTE_OPTIONS, ids=ROUTE_IDS)
 def test_dreamerv3_compiled_routes_match_reference(options, monkeypatch):
     # float64: the kernels compile for float64 too, so the float64 reference checks them at
@@ -278,6 +278,7 @@ F32_ELEMENTWISE_OPS = 14
 F32_AVERAGE_OPS = 3
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", ROUTE_OPTIONS, ids=ROUTE_IDS)
 def test_dreamerv3_bfloat16_matches_float64_reference(options, monkeypatch):
     params = _route_params(8, torch.bfloat16)

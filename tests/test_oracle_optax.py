@@ -30,8 +30,6 @@ from oracle_utils import (
 import functional_opt as fo
 from functional_opt import _kernels
 
-pytestmark = pytest.mark.numerics
-
 SEEDS = (0, 1)
 
 
@@ -304,6 +302,7 @@ def test_random_schedules_match_optax(
 # --- random tree structures --------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @settings(max_examples=6, deadline=None, database=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_chain_on_random_tree_structures(seed):
@@ -359,6 +358,7 @@ BF16_CASES = {
 BF16_STEPS = 4
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
 def test_bfloat16_params_match_float64_optax(case):
     ours, theirs, once, per_step, norm = BF16_CASES[case]
@@ -379,6 +379,7 @@ def test_bfloat16_params_match_float64_optax(case):
     compare_run(ours, theirs, params, grads, ops=ops)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("size", [7, _kernels.ADD_MIN + 3], ids=["small", "compiled-add"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])

@@ -23,8 +23,6 @@ from functional_opt.packed import ALIGN, Layout, Packed
 
 Make = Callable[[torch.Generator, torch.dtype], dict[str, Any]]
 
-pytestmark = pytest.mark.numerics
-
 
 def _leaf(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
@@ -257,12 +255,14 @@ def test_packed_update_equals_the_per_leaf_path_bit_for_bit(
     _check_packed_update(make, options, exact=True)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", OPTIONS[:2])
 def test_packed_update_of_every_route_equals_the_per_leaf_path(options: dict[str, Any]) -> None:
     # "apart": leaves of one shape that are not consecutive form a run only per leaf
     _check_packed_update(_mixed, options, exact=False)
 
 
+@pytest.mark.numerics
 def test_packed_update_equals_the_chain() -> None:
     gen = torch.Generator().manual_seed(5)
     fused, chain = fo.dreamerv3(lr=1e-2, warmup=0), fo.dreamerv3(lr=1e-2, warmup=0, _fused=False)
@@ -374,6 +374,7 @@ def test_grad_of_packed_params_is_packed_with_their_layout() -> None:
     assert_bitwise(_tensors(grads), _tensors(want))  # the same ops on the same values
 
 
+@pytest.mark.numerics
 def test_compiled_step_over_packed_trees_matches_eager() -> None:
     # keys inserted out of sorted order (compiled pytree code may visit them in another order:
     # leaves are placed by index, not by visiting order)
