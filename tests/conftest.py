@@ -175,12 +175,23 @@ def assert_bitwise(actual: Any, expected: Any, msg: str = "") -> None:
 
 
 def _scale_for(e: torch.Tensor, scale: Any) -> torch.Tensor:
+    """The magnitudes the bound is relative to: never below the expected values' own, and
+    where a given magnitude is not finite (a step whose values are not finite in a magnitude
+    run), the leaf's largest finite magnitude (never a NaN bound, which nothing exceeds)."""
+    finite = e[torch.isfinite(e)].abs()
+    largest = finite.max() if finite.numel() else torch.zeros((), dtype=torch.float64)
     if scale is None:  # norm-wise: the largest finite magnitude in the expected tensor
-        finite = e[torch.isfinite(e)].abs()
-        return finite.max() if finite.numel() else torch.zeros((), dtype=torch.float64)
+        return largest
     if isinstance(scale, torch.Tensor):
-        return _wide(scale).abs()
-    return torch.tensor(abs(float(scale)), dtype=torch.float64)
+        s = _wide(scale).abs().to(torch.float64)
+    else:
+        s = torch.tensor(abs(float(scale)), dtype=torch.float64)
+    if not torch.isfinite(s).all():
+        s_finite = s[torch.isfinite(s)]
+        if s_finite.numel():
+            largest = torch.maximum(largest, s_finite.max())
+        s = torch.where(torch.isfinite(s), s, largest)
+    return torch.maximum(s, e.abs().nan_to_num(0.0, 0.0, 0.0))
 
 
 def assert_close_rounding(
@@ -331,6 +342,17 @@ def dreamerv3_leaf_ops(
     own elements (``clip_by_agc`` clips each tensor by its own norms)."""
     return lambda leaf: dreamerv3_ops(dtype, numel=leaf.numel(), steps=steps, apply=apply)
 
+
+SCHEDULE_OPS = 32
+"""Roundings of one schedule value in float64, per implementation: a cosine decay's fraction
+(1), its angle (1), the cosine (correctly rounded to about an ulp, plus the angle's error times
+``|sin| <= pi``: 5), ``1 + cos`` and the half (1), the power (1, plus the exponent <= 3 times
+the base's error: 25 so far), the ``(1 - alpha)`` mix (3) and the scale (1): 29; a linear ramp's
+quotient, difference, product and sum (4, times 4: its terms ``|init - end| + |end|`` are up to 4
+times the largest value it shows once it is well past its start, as the tests' counts take
+it). Compared over the counts of one schedule, relative to its largest value (near the end of
+a decay the value is a small difference of terms of that size); a schedule cut short before
+it shows its range (a part of a join) passes its terms' magnitude instead."""
 
 ELEMENTWISE_OPS = 32
 """Roundings per element in one update of the longest elementwise chain of the optax

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close_rounding
+from conftest import SCHEDULE_OPS, assert_close_rounding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle_utils import (
@@ -228,17 +228,9 @@ SCHEDULES = {
 }
 
 
-# Roundings of one schedule value in float64, per implementation: a cosine decay's fraction
-# (1), its angle (1), the cosine (correctly rounded to about an ulp, plus the angle's error
-# times |sin| <= pi: 5), 1 + cos and the half (1), the power (1, plus the exponent <= 3 times the
-# base's error: 25 so far), the (1 - alpha) mix (3) and the scale (1): 29; a linear ramp's
-# quotient, difference, product and sum (4, times 3: its terms are up to 3 times the largest
-# value). Compared over all counts of one schedule, relative to its largest value (near the end
-# of a decay the value is a small difference of terms of that size).
-SCHEDULE_OPS = 32
-
-
-def _assert_schedule_matches(ours, theirs, counts):
+def _assert_schedule_matches(ours, theirs, counts, scale=None):
+    """Ours and optax's values over ``counts`` agree to the rule's schedule count, relative to
+    the largest value or to ``scale`` (the terms' magnitude, where a schedule is cut short)."""
     # int64 counts: see oracle_utils.x64_schedule.
     expected = torch.tensor(
         [float(np.asarray(theirs(jnp.asarray(c, dtype=jnp.int64)))) for c in counts],
@@ -255,6 +247,7 @@ def _assert_schedule_matches(ours, theirs, counts):
             expected,
             dtype=torch.float64,
             ops=SCHEDULE_OPS,
+            scale=scale,
             msg=f"counts {list(counts)} as {kind}",
         )
 
@@ -290,12 +283,16 @@ def test_random_schedules_match_optax(
         fo.cosine_decay_schedule(init, decay_steps, alpha, exponent),
         optax.cosine_decay_schedule(init, decay_steps, alpha, exponent),
     )
-    _assert_schedule_matches(*lin, counts)
-    _assert_schedule_matches(*cos, counts)
+    # terms: a linear ramp's (init - end) * frac + end, up to |init| + 2 |end| (shown in part
+    # only when the counts or the boundary stop before its end); a cosine's, up to 3 |init|
+    terms = max(abs(init) + 2 * abs(end), 3 * abs(init))
+    _assert_schedule_matches(*lin, counts, terms)
+    _assert_schedule_matches(*cos, counts, terms)
     _assert_schedule_matches(
         fo.join_schedules([lin[0], cos[0]], [boundary]),
         optax.join_schedules([lin[1], cos[1]], [boundary]),
         counts,
+        terms,
     )
 
 
