@@ -16,7 +16,7 @@ from torch import Tensor
 
 from functional_opt.dreamerv3 import dreamerv3
 
-from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params
+from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params, overlapping
 from .transform_optimizer import TransformOptimizer, _Layout
 
 __all__ = ["DreamerV3Optimizer"]
@@ -77,7 +77,13 @@ class DreamerV3Optimizer(TransformOptimizer):
         beta2: float = 0.999,
         eps: float = 1e-20,
         warmup_steps: int = 1000,
+        own_param_storage: bool = False,
     ) -> None:
+        if not isinstance(own_param_storage, bool):
+            raise TypeError(
+                f"own_param_storage must be a bool, got {type(own_param_storage).__name__}"
+            )
+        self.own_param_storage = own_param_storage
         super().__init__(
             parameters,
             dreamerv3,
@@ -139,13 +145,23 @@ class DreamerV3Optimizer(TransformOptimizer):
             return cached[1]
         if not eligible_params(params):
             return None
-        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for p in params:
-            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(params):
+            by_kind.setdefault((p.device, p.dtype), []).append(i)
+        shared: set[int] = set()
+        if not self.own_param_storage:
+            for cluster in overlapping(params):
+                if len({(params[i].device, params[i].dtype) for i in cluster}) > 1:
+                    return None  # memory shared across dtypes: the generic path's order
+                shared.update(cluster)
         names = (self.state_names["nu"], self.state_names["ema"])
         current = []
         for members in by_kind.values():
-            bucket = FlatBucket(members)
+            bucket = FlatBucket(
+                [params[i] for i in members],
+                shared=[k for k, i in enumerate(members) if i in shared],
+                own_param_storage=self.own_param_storage,
+            )
             bucket.adopt_state(self.state, names)
             current.append(bucket)
         buckets[index] = (ids, current)

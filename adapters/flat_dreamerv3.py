@@ -1,28 +1,43 @@
-"""The fast path of :class:`DreamerV3Optimizer`: flat buffers and one compiled kernel.
+"""The fast path of :class:`DreamerV3Optimizer`: flat buffers for gradients and moments, and
+one compiled kernel.
 
 A DreamerV3 step is elementwise work over ``g, p, nu, mu`` plus the per-tensor norms of ``g``
-and ``p`` that adaptive clipping needs. This path keeps, for each (device, dtype) bucket of a
-param group, the params, their gradients and both moments in contiguous flat buffers (the params,
-their ``.grad`` and the optimizer state become views into them, as DDP's
-``gradient_as_bucket_view`` does for gradients). Tensors are laid out in *runs* of equal size,
-so a run of ``rows`` tensors of ``size`` elements is a 2-D view ``[rows, size]`` and one step
-is:
+and ``p`` that adaptive clipping needs. For each (device, dtype) bucket of a param group this
+path keeps the gradients and both moments in contiguous flat buffers (each ``.grad`` and each
+state entry is a view into them, as DDP's ``gradient_as_bucket_view`` does for gradients). The
+params themselves stay where the user put them: their storage, offset and strides never change.
 
-1. per-tensor norms of gradients and params: one reduction per run, giving the clip factors;
-2. one call per run of the elementwise kernel ``functional_opt._kernels.apply_kernel``,
-   compiled once with ``torch.compile`` (``dynamic=True``: one kernel serves every shape),
-   reading ``g, p, nu, mu`` and writing ``nu, mu, p`` with the run's clip factors and step sizes
-   broadcast per row. Runs too small to be worth a call of their own (fewer than ``MERGE``
-   elements in all) share one eager run of the same function, with the clip factor spread per
-   element.
+Tensors are laid out in *runs* of equal size, so a run of ``rows`` tensors of ``size`` elements
+is a 2-D view ``[rows, size]`` of each buffer. A param is updated in one of four ways:
 
-So 2000 tensors of one size cost what one large tensor costs, and a model with a handful of
-distinct shapes makes a handful of kernel calls. Gradients and params are never modified outside
-the kernel's own write of ``p`` (the clip is applied inside the kernel). The math is that of
-``functional_opt.dreamerv3`` (and torchrl's optimizer), checked against it in the tests to float32
-rounding. A gradient that is not already a view of the bucket (a fresh ``.grad`` after
-``zero_grad(set_to_none=True)``) is copied in first and replaced by its view. Params without a
-gradient are masked out per tensor (their state and value are untouched).
+* **Direct** (at least :data:`DIRECT` elements, contiguous, sharing memory with no other param
+  of the group): one call of the compiled kernel per param, on a ``[1, n]`` view of the param's
+  own storage and its rows of the gradient and moment buffers (norms by BLAS dot products for
+  float32/64, a compiled cascade sum for 16-bit params).
+* **Staged runs** (smaller params, or non-contiguous ones): the run's params are copied into a
+  flat scratch buffer (one ``torch.cat``), the compiled kernel updates the scratch rows with one
+  call per run, and one ``torch._foreach_copy_`` writes the new values back into the params'
+  own storages.
+* **Merged** (runs too small to be worth a kernel call, fewer than :data:`MERGE` elements in
+  all): staged as above, updated together by one eager pass with the clip factor spread per
+  element.
+* **Shared** (params whose memory overlaps another param of the group, e.g. weights tied by
+  storage): every update is computed from the values before the step and added into the
+  params' storage one param after the other, in the group's order (what
+  :class:`~functional_opt.adapters.TransformOptimizer`'s generic step does; tied weights stay
+  tied).
+
+The kernel reads ``g, p, nu, mu`` and writes ``nu, mu, p`` with the clip factors and step sizes
+broadcast per row; gradients are never modified (the clip is applied inside the kernel, in the
+moments' dtype: float32 for 16-bit params, as the generic path does). The math is that of
+``functional_opt.dreamerv3`` (and torchrl's optimizer), checked against a float64 oracle and the
+generic path in the tests. A gradient that is not already a view of the bucket (a fresh
+``.grad`` after ``zero_grad(set_to_none=True)``) is copied in first and replaced by its view.
+Params without a gradient are masked out per tensor (their state and value are untouched).
+
+With ``own_param_storage=True`` (opt-in) the bucket instead moves the params into a flat buffer
+of its own (``p.data`` becomes a view into it), so staged runs need no copies; see
+:class:`~functional_opt.adapters.DreamerV3Optimizer` for what that costs the user.
 
 The path is used only for plain dense tensors whose options are Python numbers; anything else
 (``DTensor``, sparse gradients, tensor options) goes through the generic
@@ -33,17 +48,18 @@ or fails, the same kernel runs eagerly.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from functional_opt import _kernels
-from functional_opt._kernels import apply_kernel
+from functional_opt._kernels import apply_kernel, update_kernel
+from functional_opt.transforms.clipping import agc_factors_from_norms
 from functional_opt.transforms.moments import moment_dtype
 
-__all__ = ["FlatBucket", "eligible_options", "eligible_params"]
+__all__ = ["FlatBucket", "eligible_options", "eligible_params", "overlapping"]
 
 
 def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -53,8 +69,48 @@ def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sqrt((y * y).sum(-1))
 
 
+def _apply(
+    g: Tensor,
+    p: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> None:
+    """:func:`functional_opt._kernels.apply_kernel` with the gradient taken in the moments'
+    dtype, so that the clipped gradient of a 16-bit param is never rounded back to 16 bits
+    (compiled, the widening is fused into the kernel: no copy)."""
+    apply_kernel(g.to(nu.dtype), p, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
+
+
+def _factor_from_squares(g_square: Tensor, p_square: Tensor, agc: Tensor, pmin: Tensor) -> Tensor:
+    """The clip factor of one tensor (``[1, 1]``) from ``||g||^2`` and ``||p||^2`` (0-d)."""
+    return agc_factors_from_norms(g_square.sqrt(), p_square.sqrt(), agc, pmin).view(1, 1)
+
+
+def _factor_from_norms(norms: Tensor, agc: Tensor, pmin: Tensor) -> Tensor:
+    """The clip factor of one tensor (``[1, 1]``) from ``norms = [||g||, ||p||]``."""
+    return agc_factors_from_norms(norms[0], norms[1], agc, pmin).view(1, 1)
+
+
 MERGE = 1 << 16
 """Runs with fewer elements than this (all their tensors together) share one eager pass."""
+
+DIRECT = 1 << 15
+"""Contiguous params with at least this many elements, at the start of their storage, are
+updated in their own storage, one kernel call each (below it, copying a param into a staged run
+and back costs less than a call)."""
+
+PIECE = 1 << 18
+"""Staged runs are updated in pieces of about this many elements (copied in, updated and
+copied back while in cache)."""
+
+PAD = 32
+"""Elements left unused at the start of each flat buffer (see :class:`FlatBucket`)."""
 
 DOT_ROWS = 1 << 14
 DOT_MAX_COUNT = 256
@@ -80,6 +136,9 @@ def eligible_options(options: dict[str, Any]) -> bool:
     )
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 def _eligible_grad(g: Tensor, view: Tensor) -> bool:
     return (
         type(g) is Tensor
@@ -87,6 +146,35 @@ def _eligible_grad(g: Tensor, view: Tensor) -> bool:
         and g.shape == view.shape
         and g.device == view.device
     )
+
+
+def overlapping(params: Sequence[Tensor]) -> list[list[int]]:
+    """Groups of indices of params whose memory may overlap (weights tied by storage, views of
+    one another), each with at least two members. Conservative: each param counts as the whole
+    address range from its first to its last element, and params chained by overlaps form one
+    group."""
+    spans = []
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        size = p.element_size()
+        start = p.untyped_storage().data_ptr() + int(p.storage_offset()) * size
+        last = sum((n - 1) * s for n, s in zip(p.shape, p.stride(), strict=True))
+        spans.append((start, start + (last + 1) * size, i))
+    spans.sort()
+    out: list[list[int]] = []
+    cluster: list[int] = []
+    end = -1
+    for start, stop, i in spans:
+        if start >= end:
+            if len(cluster) > 1:
+                out.append(sorted(cluster))
+            cluster, end = [], stop
+        cluster.append(i)
+        end = max(end, stop)
+    if len(cluster) > 1:
+        out.append(sorted(cluster))
+    return out
 
 
 class Run(NamedTuple):
@@ -99,63 +187,151 @@ class Run(NamedTuple):
     offset: int
 
 
-class FlatBucket:
-    """Params of one (device, dtype) bucket with their gradients and moments in flat buffers.
+def _runs(sizes: Sequence[int], first: int, offset: int) -> list[Run]:
+    """Runs of consecutive equal ``sizes`` (tensor ``first`` at element ``offset``)."""
+    out: list[Run] = []
+    for n in sizes:
+        if out and out[-1].size == n:
+            out[-1] = out[-1]._replace(rows=out[-1].rows + 1)
+        else:
+            out.append(Run(first, 1, n, offset))
+        first += 1
+        offset += n
+    return out
 
-    Layout: the runs small enough to share a kernel call first (the *merged region*), then the
-    others, each group sorted by size; every run is a 2-D view ``[rows, size]``.
+
+class FlatBucket:
+    """The params of one (device, dtype) bucket of a group, with their gradients and moments in
+    flat buffers.
+
+    Layout of the buffers: the *merged* region (the runs small enough to share one eager pass),
+    the *staged* runs, the *shared* params (in the group's order), then the *direct* params;
+    merged and staged runs are sorted by size, and every run is a 2-D view ``[rows, size]``. The
+    scratch buffer ``p`` covers the merged and staged regions (with ``own_param_storage``: every
+    param, all of them merged or staged, and it *is* the params' storage).
     """
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        shared: Collection[int] = (),
+        own_param_storage: bool = False,
+    ) -> None:
+        self.own = own_param_storage
+        self.kernels: dict[Callable[..., Any], _kernels._Compiled] = {}
+        """Compiled kernels of the per-param calls (see :meth:`_call`)."""
+        if own_param_storage:
+            shared = ()
         by_size: dict[int, list[int]] = {}
+        direct: list[int] = []
+        shared_order = [i for i in range(len(params)) if i in shared]
         for i, p in enumerate(params):
-            by_size.setdefault(p.numel(), []).append(i)
+            if i in shared:
+                continue
+            if (
+                not own_param_storage
+                and p.numel() >= DIRECT
+                and p.is_contiguous()
+                and p.storage_offset() == 0
+            ):
+                direct.append(i)
+            else:
+                by_size.setdefault(p.numel(), []).append(i)
         merged = sorted(n for n, idx in by_size.items() if n * len(idx) < MERGE)
-        own = sorted(n for n, idx in by_size.items() if n * len(idx) >= MERGE)
-        order = [i for n in merged + own for i in by_size[n]]
+        staged = sorted(n for n, idx in by_size.items() if n * len(idx) >= MERGE)
+        direct.sort(key=lambda i: params[i].numel())
+        order = [i for n in merged + staged for i in by_size[n]] + shared_order + direct
         self.params = [params[i] for i in order]
         self.sizes = [p.numel() for p in self.params]
+        n_merged = sum(len(by_size[n]) for n in merged)
+        n_staged = n_merged + sum(len(by_size[n]) for n in staged)
+        n_shared = n_staged + len(shared_order)
+        self.merged_tensors = n_merged
+        self.merged_numel = sum(self.sizes[:n_merged])
+        self.staged_numel = sum(self.sizes[:n_staged])
+        self.shared_slice = slice(n_staged, n_shared)
+        self.shared_offset = self.staged_numel
+        self.shared_numel = sum(self.sizes[self.shared_slice])
         first = params[0]
         mdtype = moment_dtype(first, "float32_for_16bit")
-        with torch.no_grad():
-            self.p = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.g = torch.zeros_like(self.p)
-        self.nu = torch.zeros_like(self.p, dtype=mdtype)
-        self.mu = torch.zeros_like(self.p, dtype=mdtype)
-        self.p_views = self._views(self.p)
+        device = first.device
+        total = sum(self.sizes)
+        scratch = total if own_param_storage else self.staged_numel
+        # Each buffer starts PAD elements into its storage, so that no view of it passed to a
+        # compiled kernel is at offset 0 or 1 (values that dynamo specializes on: the first
+        # call of a signature at offset 0 would make the next one, at another offset, compile
+        # a second graph, and all later calls go through dynamo).
+        self.p = torch.empty(PAD + scratch, dtype=first.dtype, device=device)[PAD:]
+        self.g = torch.zeros(PAD + total, dtype=first.dtype, device=device)[PAD:]
+        self.nu = torch.zeros(PAD + total, dtype=mdtype, device=device)[PAD:]
+        self.mu = torch.zeros(PAD + total, dtype=mdtype, device=device)[PAD:]
         self.g_views = self._views(self.g)
         self.nu_views = self._views(self.nu)
         self.mu_views = self._views(self.mu)
-        self.runs: list[Run] = []
-        offset = first_index = 0
-        for n in merged + own:
-            count = len(by_size[n])
-            self.runs.append(Run(first_index, count, n, offset))
-            first_index += count
-            offset += count * n
-        self.merged_runs = len(merged)
-        self.merged_numel = sum(n * len(by_size[n]) for n in merged)
-        self.merged_tensors = sum(len(by_size[n]) for n in merged)
-        device = self.p.device
-        # The sizes that spread the merged tensors' clip factors per element, and the row buffer
-        # that carries each tensor's step size into the kernel.
-        self.merged_sizes = torch.tensor(self.sizes[: self.merged_tensors], device=device)
+        self.p_views = self._views(self.p, len(self.params) if own_param_storage else n_staged)
+        """Views of the scratch buffer shaped like the params it covers."""
+        self.merged_runs = _runs(self.sizes[:n_merged], 0, 0)
+        self.staged_runs = _runs(self.sizes[n_merged:n_staged], n_merged, self.merged_numel)
+        self.direct = list(range(n_shared, len(self.params)))
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.piece_numel = 0 if own_param_storage else PIECE
+        self.pieces = self._pieces()
+        self.merged_sizes = torch.tensor(self.sizes[:n_merged], device=device)
+        """The sizes that spread the merged tensors' clip factors per element."""
         self.step_rows = torch.empty((len(self.params), 1), dtype=mdtype, device=device)
-        self.flats = (self.g, self.p, self.nu, self.mu)
-        for p, view in zip(self.params, self.p_views, strict=True):
-            p.data = view
-        self.data_ptrs = [v.data_ptr() for v in self.p_views]
+        """The row buffer that carries each tensor's step size into the kernel."""
+        with torch.no_grad():
+            if own_param_storage:
+                torch._foreach_copy_(self.p_views, [p.detach() for p in self.params])
+                for p, view in zip(self.params, self.p_views, strict=True):
+                    p.data = view
+            self.targets = [p.detach() for p in self.params]
+            """The params (detached aliases), written by the scatter and the direct kernel."""
+            self.flat_targets = [t.view(-1) if t.is_contiguous() else t for t in self.targets]
+            self.gather_by_cat = all(t.is_contiguous() for t in self.targets[:n_staged])
+        self.direct_args = {
+            i: (
+                self.g_views[i].view(1, -1),
+                self.targets[i].view(1, -1),
+                self.nu_views[i].view(1, -1),
+                self.mu_views[i].view(1, -1),
+                self.g_views[i].view(-1),
+                self.flat_targets[i],
+                self.step_rows[i : i + 1],
+            )
+            for i in self.direct
+        }
+        """Per direct param: its ``[1, n]`` rows of the gradient, the param, both moments, its flat
+        gradient and param, and its step-size slot."""
+        self.data_ptrs = list(map(Tensor.data_ptr, self.params))
         self.everyone = list(range(len(self.params)))
         self.unbound = set(self.everyone)
         """Params whose optimizer-state entries are not yet the bucket's views."""
 
-    def _views(self, flat: Tensor) -> list[Tensor]:
-        return [
-            v.view_as(p) for v, p in zip(torch.split(flat, self.sizes), self.params, strict=True)
-        ]
+    def _pieces(self) -> list[Run]:
+        """The staged runs, long ones cut into pieces of about :data:`PIECE` elements (with
+        ``own_param_storage`` nothing is copied: whole runs)."""
+        if not self.piece_numel:
+            return list(self.staged_runs)
+        out = []
+        for run in self.staged_runs:
+            step = max(1, self.piece_numel // run.size)
+            for k in range(0, run.rows, step):
+                rows = min(step, run.rows - k)
+                out.append(Run(run.first + k, rows, run.size, run.offset + k * run.size))
+        return out
+
+    def _views(self, flat: Tensor, count: int | None = None) -> list[Tensor]:
+        params = self.params[:count]
+        sizes = self.sizes[: len(params)]
+        head = flat[: sum(sizes)]
+        return [v.view_as(p) for v, p in zip(torch.split(head, sizes), params, strict=True)]
 
     def intact(self) -> bool:
-        """Whether every param still lives in the bucket (nobody re-pointed ``p.data``)."""
+        """Whether every param still has the memory it had when the bucket was built (nobody
+        re-pointed ``p.data``)."""
         return list(map(Tensor.data_ptr, self.params)) == self.data_ptrs
 
     def adopt_state(self, states: dict[Tensor, dict[str, Any]], names: tuple[str, str]) -> None:
@@ -189,33 +365,80 @@ class FlatBucket:
                 entry[names[1]] = self.mu_views[i]
                 self.unbound.discard(i)
 
-    def _rows(self, flat: Tensor, run: Run) -> Tensor:
+    @staticmethod
+    def _rows(flat: Tensor, run: Run) -> Tensor:
         return flat[run.offset : run.offset + run.rows * run.size].view(run.rows, run.size)
 
-    def _run_norms(self, flat: Tensor, run: Run) -> Tensor:
-        """The L2 norm of each tensor of ``run`` (in the moment dtype).
+    def _run_norms(self, rows: Tensor) -> Tensor:
+        """The L2 norm of each row of ``rows`` (in the moment dtype).
 
         Long float32/float64 rows use BLAS dot products (one stream at full read bandwidth);
         other float32/64 runs and small runs one eager ``vector_norm``; long 16-bit runs a
         compiled cascade sum (no widened copy; like the dot products, more accurate than
         ``vector_norm``)."""
         mdtype = self.nu.dtype
-        rows = self._rows(flat, run)
-        if flat.dtype == mdtype and run.size >= DOT_ROWS and run.rows <= DOT_MAX_COUNT:
+        count, size = rows.shape
+        if rows.dtype == mdtype and size >= DOT_ROWS and count <= DOT_MAX_COUNT:
             return torch.stack([torch.dot(r, r) for r in rows]).sqrt_()
         out: Tensor
-        if flat.dtype == mdtype or run.rows * run.size < MERGE:
+        if rows.dtype == mdtype or count * size < MERGE:
             out = torch.linalg.vector_norm(rows, dim=1, dtype=mdtype)
         else:
             out = _kernels.call(_row_norms, rows, mdtype)
         return out
 
-    def _factors(self, run: Run, agc: float, pmin: float) -> Tensor:
+    @staticmethod
+    def _factors(g_norms: Tensor, p_norms: Tensor, agc: float, pmin: float) -> Tensor:
         """Each tensor's clip factor ``1 / max(1, ||g|| / (agc max(pmin, ||p||)))``."""
+        return agc_factors_from_norms(g_norms, p_norms, agc, pmin)
+
+    def _run_factors(self, run: Run, agc: float, pmin: float) -> Tensor:
         if agc <= 0:
-            return torch.ones(run.rows, dtype=self.nu.dtype, device=self.p.device)
-        upper = agc * torch.clamp(self._run_norms(self.p, run), min=pmin)
-        return 1.0 / torch.clamp(self._run_norms(self.g, run) / upper, min=1.0)
+            return torch.ones(run.rows, dtype=self.nu.dtype, device=self.g.device)
+        p_norms = self._run_norms(self._rows(self.p, run))
+        return self._factors(self._run_norms(self._rows(self.g, run)), p_norms, agc, pmin)
+
+    def _step_direct(
+        self, indices: list[int], agc: float, pmin: float, scalars: list[Tensor]
+    ) -> None:
+        """The direct params, one at a time: norms, clip factor, then one kernel call on the
+        param's own storage, which finds ``g`` and ``p`` still in cache from the norms. (The
+        factor is computed apart: folded into the kernel, its scalar math would run once per
+        vector of elements, which measured up to 40% slower.)"""
+        mdtype = self.nu.dtype
+        device = self.g.device
+        if agc <= 0:
+            one = torch.ones((1, 1), dtype=mdtype, device=device)
+            for i in indices:
+                g, p, nu, mu, _, _, step_size = self.direct_args[i]
+                self._call(_apply, g, p, nu, mu, one, step_size, *scalars)
+            return
+        clip = torch.tensor(agc, dtype=mdtype, device=device)
+        floor = torch.tensor(pmin, dtype=mdtype, device=device)
+        wide = self.g.dtype == mdtype
+        for i in indices:
+            g, p, nu, mu, flat_g, flat_p, step_size = self.direct_args[i]
+            if wide:  # float32/64: BLAS dot products
+                g_square, p_square = torch.dot(flat_g, flat_g), torch.dot(flat_p, flat_p)
+                factor = self._call(_factor_from_squares, g_square, p_square, clip, floor)
+            else:  # 16-bit: a compiled cascade sum, without widened copies
+                norms = self._call(_kernels.norm_pair, flat_g, flat_p, mdtype)
+                factor = self._call(_factor_from_norms, norms, clip, floor)
+            self._call(_apply, g, p, nu, mu, factor, step_size, *scalars)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``_kernels.call(fn, *args)`` for the per-param calls of direct params. Once ``fn``
+        runs without dynamo, later calls go to its compiled kernel straight (every direct param
+        of a bucket has the same signature), skipping the work of finding the kernel for the
+        arguments: a step makes one such call per param, each with caches cold from the
+        previous param's update."""
+        kernel = self.kernels.get(fn)
+        if kernel is not None and kernel.direct is not None:
+            return kernel(*args)
+        out = _kernels.call(fn, *args)
+        if not torch.compiler.is_compiling():
+            self.kernels[fn] = _kernels.compiled(fn, *args)
+        return out
 
     def gather_grads(self) -> list[int] | None:
         """The bucket indices of the params with a gradient, after copying gradients that are
@@ -223,9 +446,9 @@ class FlatBucket:
         is one the flat path cannot take (sparse, a tensor subclass), before copying anything.
         """
         views = self.g_views
-        grads = [p.grad for p in self.params]
-        if all(map(operator.is_, grads, views)):  # the usual step: nothing to do
+        if all(map(operator.is_, map(_GRAD, self.params), views)):  # the usual step
             return self.everyone
+        grads = [p.grad for p in self.params]
         present = []
         copy = []
         for i, (g, view) in enumerate(zip(grads, views, strict=True)):
@@ -256,42 +479,112 @@ class FlatBucket:
         eps: float,
     ) -> None:
         """One update of the params at ``present`` (from :meth:`gather_grads`)."""
-        params = self.params
-        absent = (
-            [] if len(present) == len(params) else sorted(set(range(len(params))) - set(present))
-        )
+        n_params = len(self.params)
+        everyone = len(present) == n_params
+        absent = [] if everyone else sorted(set(range(n_params)) - set(present))
+        has = None if everyone else set(present)
         for i in absent:
             self.g_views[i].zero_()
-        # Params without a gradient keep value and state: the kernel runs over the whole
-        # bucket (their gradient is zero), then what it changed of theirs is put back.
+        # Params without a gradient keep value and state: the kernels of merged, staged and
+        # shared params run over whole runs (their gradient is zero), then what they changed of
+        # theirs is put back; the new values of their params are never written back.
         saved = [
-            (i, self.p_views[i].clone(), self.nu_views[i].clone(), self.mu_views[i].clone())
+            (i, self.nu_views[i].clone(), self.mu_views[i].clone())
             for i in absent
+            if i < self.shared_slice.stop or self.own
         ]
-        step_size = -lr / bc1
-        self.step_rows.fill_(step_size)
+        saved_p = [(i, self.p_views[i].clone()) for i in absent] if self.own else []
+        self.step_rows.fill_(-lr / bc1)
         values = (1 / bc2, beta1, beta2, eps)
         scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
         if self.merged_numel:
             n = self.merged_numel
-            merged = self.runs[: self.merged_runs]
-            factors = [self._factors(run, agc, pmin) for run in merged]
+            self._gather(0, self.merged_tensors)
+            factors = [self._run_factors(run, agc, pmin) for run in self.merged_runs]
             factor = factors[0] if len(factors) == 1 else torch.cat(factors)
             spread = torch.repeat_interleave(factor, self.merged_sizes, output_size=n)
             # Small by construction: eager ops cost less than compiling one more kernel form.
-            g, p, nu, mu = (t[:n].view(1, n) for t in self.flats)
-            apply_kernel(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
-        # Run by run. (Updating in chunks right after their norms, so that the kernel would find
-        # g and p in cache, measured slower on W1: the calls cost more than the cache saves.)
-        for run in self.runs[self.merged_runs :]:
+            g, p, nu, mu = (t[:n].view(1, n) for t in (self.g, self.p, self.nu, self.mu))
+            _apply(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
+            self._scatter(0, self.merged_tensors, has)
+        # Piece by piece (a piece is a run, or part of a long run): its params copied into the
+        # scratch buffer, their norms, one kernel call, the new values copied back while the
+        # piece is still in cache.
+        for run in self.pieces:
+            self._gather(run.first, run.first + run.rows)
             _kernels.call(
-                apply_kernel,
-                *(self._rows(t, run) for t in self.flats),
-                self._factors(run, agc, pmin).view(-1, 1),
+                _apply,
+                *(self._rows(t, run) for t in (self.g, self.p, self.nu, self.mu)),
+                self._run_factors(run, agc, pmin).view(-1, 1),
                 self.step_rows[run.first : run.first + run.rows],
                 *scalars,
             )
-        for i, p, nu, mu in saved:
-            self.p_views[i].copy_(p)
+            self._scatter(run.first, run.first + run.rows, has)
+        if self.shared_numel:
+            self._step_shared(has, agc, pmin, scalars)
+        direct = self.direct if has is None else [i for i in self.direct if i in has]
+        if direct:
+            self._step_direct(direct, agc, pmin, scalars)
+        for i, nu, mu in saved:
             self.nu_views[i].copy_(nu)
             self.mu_views[i].copy_(mu)
+        for i, p in saved_p:
+            self.p_views[i].copy_(p)
+
+    def _gather(self, start: int, stop: int) -> None:
+        """Copy the params ``start:stop`` (staged) into the scratch buffer."""
+        if self.own:
+            return
+        if self.gather_by_cat:
+            lo = self.offsets[start]
+            torch.cat(self.flat_targets[start:stop], out=self.p[lo : self.offsets[stop]])
+        else:
+            torch._foreach_copy_(self.p_views[start:stop], self.targets[start:stop])
+
+    def _scatter(self, start: int, stop: int, has: set[int] | None) -> None:
+        """Copy the new values of the params ``start:stop`` (staged) with a gradient from the
+        scratch buffer back into their own storages."""
+        if self.own:
+            return
+        if has is None:
+            torch._foreach_copy_(self.targets[start:stop], self.p_views[start:stop])
+        else:
+            back = [i for i in range(start, stop) if i in has]
+            torch._foreach_copy_([self.targets[i] for i in back], [self.p_views[i] for i in back])
+
+    def _step_shared(
+        self, has: set[int] | None, agc: float, pmin: float, scalars: list[Tensor]
+    ) -> None:
+        """The params that share memory: every update from the values before the step, then
+        added in the group's order (eager: tied weights are rare, not worth a compiled form)."""
+        part = self.shared_slice
+        members = range(part.start, part.stop)
+        lo, hi = self.shared_offset, self.shared_offset + self.shared_numel
+        mdtype = self.nu.dtype
+        if agc > 0:
+            g_norms = torch.stack(
+                [torch.linalg.vector_norm(self.g_views[i], dtype=mdtype) for i in members]
+            )
+            p_norms = torch.stack(
+                [torch.linalg.vector_norm(self.targets[i], dtype=mdtype) for i in members]
+            )
+            factor = self._factors(g_norms, p_norms, agc, pmin)
+            sizes = torch.tensor(self.sizes[part], device=factor.device)
+            spread = torch.repeat_interleave(factor, sizes, output_size=hi - lo).view(1, -1)
+        else:
+            spread = torch.ones((1, 1), dtype=mdtype, device=self.g.device)
+        nu, mu = self.nu[lo:hi].view(1, -1), self.mu[lo:hi].view(1, -1)
+        nu_new, mu_new, u = update_kernel(
+            self.g[lo:hi].view(1, -1).to(mdtype),
+            nu,
+            mu,
+            spread,
+            self.step_rows[:1],
+            *scalars,
+        )
+        nu.copy_(nu_new)
+        mu.copy_(mu_new)
+        updates = torch.split(u.view(-1), self.sizes[part])
+        for i, update in zip(members, updates, strict=True):
+            if has is None or i in has:
+                self.targets[i].add_(update.view_as(self.targets[i]))
