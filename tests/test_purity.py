@@ -6,6 +6,11 @@
 * a ``fullgraph`` compiled ``update`` equals eager and does not recompile after its second call,
   not even when an injected hyperparameter changes;
 * eager ``update`` never writes into its inputs and is deterministic in them.
+
+Tolerances follow ``tests/conftest.py``'s rule: bit for bit where the same ops run; where two
+paths compute the same math (vmapped vs per member, compiled vs eager), ``ops`` roundings per
+update times the updates, relative to a magnitude run on absolute values. A finite-difference
+check compares with its own error estimate (:func:`central_differences`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from conftest import ELEMENTWISE_OPS, MagnitudeRun, assert_bitwise, assert_close_rounding
 from torch import Tensor
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.func import grad, vmap
@@ -25,14 +31,20 @@ import functional_opt as fo
 
 Tree = Any
 
-# Tight tolerances: DreamerV3's default lr makes updates ~1e-5, so a loose ``atol`` could not fail.
-RTOL, ATOL = 1e-5, 1e-8
+
+def step_ops(params: Tree) -> int:
+    """Roundings of one update (per implementation): the longest elementwise chain plus a norm
+    over at most every element of the tree (``n`` squares summed, its root and quotient)."""
+    return ELEMENTWISE_OPS + sum(x.numel() for x in optree.tree_leaves(params)) + 2
 
 
-def assert_trees_close(
-    actual: Tree, expected: Tree, rtol: float = RTOL, atol: float = ATOL
+def assert_paths_agree(
+    actual: Tree, expected: Tree, *, steps: int, params: Tree, scale: Tree, msg: str = ""
 ) -> None:
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+    """Two paths of the same math after ``steps`` updates, each carrying its own state."""
+    dtype = next(x.dtype for x in optree.tree_leaves(params) if x.is_floating_point())
+    ops = steps * step_ops(params)
+    assert_close_rounding(actual, expected, dtype=dtype, ops=ops, scale=scale, msg=msg)
 
 
 def member(tree: Tree, i: int) -> Tree:
@@ -59,7 +71,6 @@ THETA0 = {
 }
 UNROLL = 3
 FD_EPS = 1e-6
-FD_RTOL, FD_ATOL = 1e-5, 1e-8
 
 
 def quadratic_loss(params: dict[str, Tensor]) -> Tensor:
@@ -85,20 +96,43 @@ def unrolled_loss(
     return quadratic_loss(params)
 
 
-def central_differences(
-    f: Callable[[dict[str, Tensor]], Tensor], x: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    out = {}
-    for name, value in x.items():
-        d = torch.zeros_like(value)
-        for i in range(value.numel()):
-            step = torch.zeros_like(value)
-            step.view(-1)[i] = FD_EPS
-            plus = f({**x, name: value + step})
-            minus = f({**x, name: value - step})
-            d.view(-1)[i] = (plus - minus) / (2 * FD_EPS)
-        out[name] = d
-    return out
+def _difference(f: Callable[[Any], Tensor], x: Any, dx: Any, h: float) -> tuple[Tensor, Tensor]:
+    """``(f(x + h dx) - f(x - h dx)) / 2h`` and the largest ``|f|`` it read."""
+    plus, minus = f(x + h * dx), f(x - h * dx)
+    return (plus - minus) / (2 * h), torch.maximum(plus.abs(), minus.abs())
+
+
+# Roundings of one evaluation of the unrolled loss in float64: each of the UNROLL updates (at
+# most the longest elementwise chain, 32, and a norm over the 10 elements, 12), the inner
+# gradient and the step (3), and the loss (5 per element, summed over 10): 3 * 47 + 60 = 201.
+F_OPS = 201
+
+
+def central_differences_checked(f: Callable[[Any], Tensor], x: Any, analytic: Any) -> None:
+    """``analytic`` equals ``f``'s derivative by central differences (float64), within the
+    differences' own error: the truncation error, estimated by Richardson's rule from steps h
+    and h/2 (``|D(h) - D(h/2)| * 4/3``, doubled: it is an estimate), plus the rounding of the
+    two evaluations divided by the step (``F_OPS`` roundings of ``|f|`` each, over ``2h``)
+    and of the analytic derivative itself (``F_OPS`` roundings of it)."""
+    eps64 = torch.finfo(torch.float64).eps
+    if isinstance(x, Tensor):
+        pairs = [(None, i) for i in range(x.numel())]
+    else:
+        pairs = [(name, i) for name, value in x.items() for i in range(value.numel())]
+    for name, i in pairs:
+        value = x if name is None else x[name]
+        dx = torch.zeros_like(value)
+        dx.view(-1)[i] = 1.0
+
+        def along(t: Tensor, name: str | None = name) -> Tensor:
+            return f(t) if name is None else f({**x, name: t})
+
+        d_h, f_h = _difference(along, value, dx, FD_EPS)
+        d_half, f_half = _difference(along, value, dx, FD_EPS / 2)
+        want = (analytic if name is None else analytic[name]).reshape(-1)[i]
+        truncation = 2 * (4 / 3) * (d_h - d_half).abs()
+        rounding = F_OPS * eps64 * (torch.maximum(f_h, f_half) / FD_EPS + want.abs())
+        assert (d_h - want).abs() <= truncation + rounding, (name, i, float(d_h), float(want))
 
 
 def agc_ratios(tx: fo.GradientTransformation, agc: float, pmin: float = 1e-3) -> list[float]:
@@ -136,9 +170,8 @@ def test_grad_through_unrolled_dreamerv3_matches_finite_differences(
     assert any(r > 1 for r in ratios) == clip_active, ratios
 
     analytic = grad(lambda theta: unrolled_loss(tx, theta))(THETA0)
-    numeric = central_differences(lambda theta: unrolled_loss(tx, theta), THETA0)
-    assert max(v.abs().max().item() for v in numeric.values()) > 1e-2
-    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+    assert max(v.abs().max().item() for v in analytic.values()) > 1e-2
+    central_differences_checked(lambda theta: unrolled_loss(tx, theta), THETA0, analytic)
 
 
 def test_grad_through_unrolled_dreamerv3_wrt_injected_lr() -> None:
@@ -154,17 +187,15 @@ def test_grad_through_unrolled_dreamerv3_wrt_injected_lr() -> None:
 
     lr = torch.tensor(0.05, dtype=F64)
     analytic = grad(meta)(lr)
-    numeric = (meta(lr + FD_EPS) - meta(lr - FD_EPS)) / (2 * FD_EPS)
-    assert abs(numeric.item()) > 1e-2
-    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+    assert abs(analytic.item()) > 1e-2
+    central_differences_checked(meta, lr, analytic)
 
 
 def test_grad_through_unrolled_adam_matches_finite_differences() -> None:
     tx = fo.adam(0.1)
     analytic = grad(lambda theta: unrolled_loss(tx, theta))(THETA0)
-    numeric = central_differences(lambda theta: unrolled_loss(tx, theta), THETA0)
-    assert max(v.abs().max().item() for v in numeric.values()) > 1e-2
-    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+    assert max(v.abs().max().item() for v in analytic.values()) > 1e-2
+    central_differences_checked(lambda theta: unrolled_loss(tx, theta), THETA0, analytic)
 
 
 def test_grad_through_unrolled_adam_wrt_learning_rate_tensor() -> None:
@@ -173,9 +204,8 @@ def test_grad_through_unrolled_adam_wrt_learning_rate_tensor() -> None:
 
     lr = torch.tensor(0.1, dtype=F64)
     analytic = grad(meta)(lr)
-    numeric = (meta(lr + FD_EPS) - meta(lr - FD_EPS)) / (2 * FD_EPS)
-    assert abs(numeric.item()) > 1e-2
-    assert_trees_close(analytic, numeric, rtol=FD_RTOL, atol=FD_ATOL)
+    assert abs(analytic.item()) > 1e-2
+    central_differences_checked(meta, lr, analytic)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,10 +246,13 @@ def run_ensemble(
     gen = torch.Generator().manual_seed(1)
     state_v = vmap(tx.init)(params)
     states = [tx.init(member(params, i)) for i in range(MEMBERS)]
-    assert_trees_close(member(state_v, 0), states[0])
+    assert_bitwise(member(state_v, 0), states[0])
+    magnitudes = [MagnitudeRun(tx, member(params, i)) for i in range(MEMBERS)]
     if edit_state is not None:
         state_v = edit_state(state_v, None)
         states = [edit_state(s, i) for i, s in enumerate(states)]
+        for i, m in enumerate(magnitudes):
+            m.state = edit_state(m.state, i)
     history = []
     for step in range(steps):
         g: dict[str, Tensor | None] = {
@@ -230,9 +263,13 @@ def run_ensemble(
             g["w"][nan_at[1], 0, 0] = float("nan")  # type: ignore[index]
         updates_v, state_v = update_v(g, state_v, params)
         for i in range(MEMBERS):
-            updates_i, states[i] = tx.update(member(g, i), states[i], member(params, i))
-            assert_trees_close(member(updates_v, i), updates_i)
-            assert_trees_close(member(state_v, i), states[i])
+            p_i = member(params, i)
+            updates_i, states[i] = tx.update(member(g, i), states[i], p_i)
+            u_mag, s_mag = magnitudes[i].update(member(g, i), p_i)
+            what = f"member {i} at step {step}"
+            agree = {"steps": step + 1, "params": p_i, "msg": what}
+            assert_paths_agree(member(updates_v, i), updates_i, scale=u_mag, **agree)
+            assert_paths_agree(member(state_v, i), states[i], scale=s_mag, **agree)
         history.append(updates_v)
         params = fo.apply_updates(params, updates_v)
     return history, state_v
@@ -282,7 +319,7 @@ def test_vmap_with_a_parameter_without_gradient(
     b_state = [v for p, v in zip(*_paths_and_leaves(state), strict=True) if p[-1:] == ("b",)]
     b_initial = [v for p, v in zip(*_paths_and_leaves(initial), strict=True) if p[-1:] == ("b",)]
     assert b_state, "no per-parameter state for 'b' found"
-    assert_trees_close(b_state, b_initial, rtol=0, atol=0)
+    assert_bitwise(b_state, b_initial)
 
 
 def _paths_and_leaves(tree: Tree) -> tuple[list[tuple[Any, ...]], list[Any]]:
@@ -346,6 +383,7 @@ def compiled_matches_eager(
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
     state_eager, state_compiled = tx.init(params), tx.init(params)
+    magnitudes = MagnitudeRun(tx, params)
     history = []
     with contextlib.ExitStack() as stack:
         for step in range(steps):
@@ -360,10 +398,13 @@ def compiled_matches_eager(
             if edit_state is not None:
                 state_eager = edit_state(state_eager, step)
                 state_compiled = edit_state(state_compiled, step)
+                magnitudes.state = edit_state(magnitudes.state, step)
             updates, state_eager = tx.update(g, state_eager, params)
             compiled, state_compiled = update(g, state_compiled, params)
-            assert_trees_close(compiled, updates)
-            assert_trees_close(state_compiled, state_eager)
+            u_mag, s_mag = magnitudes.update(g, params)
+            agree = {"steps": step + 1, "params": params, "msg": f"step {step}"}
+            assert_paths_agree(compiled, updates, scale=u_mag, **agree)
+            assert_paths_agree(state_compiled, state_eager, scale=s_mag, **agree)
             history.append(updates)
             params = fo.apply_updates(params, updates)
     assert 1 <= counter.frame_count <= 2
@@ -450,10 +491,10 @@ def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
         before = optree.tree_map(torch.clone, inputs)
         first = tx.update(*inputs)
         second = tx.update(*inputs)
-        torch.testing.assert_close(inputs, before, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(first, second, rtol=0, atol=0, equal_nan=True)
+        assert_bitwise(inputs, before)
+        assert_bitwise(first, second)
         state = first[1]
-    torch.testing.assert_close(state0, snapshot, rtol=0, atol=0)
+    assert_bitwise(state0, snapshot)
 
 
 def test_vmap_over_a_learning_rate_with_shared_params() -> None:
@@ -470,8 +511,8 @@ def test_vmap_over_a_learning_rate_with_shared_params() -> None:
         return updates
 
     batched = torch.func.vmap(one, in_dims=(0, None, None))(lrs, params, grads)
-    for i, lr in enumerate(lrs):
-        torch.testing.assert_close(batched["w"][i], -lr * grads["w"])
+    for i, lr in enumerate(lrs):  # (the first momentum is the gradient: one product)
+        assert_bitwise(batched["w"][i], -lr * grads["w"])
 
 
 def test_compiled_vmap_of_dreamerv3_matches_eager_vmap() -> None:
@@ -483,13 +524,17 @@ def test_compiled_vmap_of_dreamerv3_matches_eager_vmap() -> None:
     update_v = vmap(tx.update)
     compiled = torch.compile(update_v, fullgraph=True)
     state_eager = state_compiled = vmap(tx.init)(params)
+    magnitudes = MagnitudeRun(fo.GradientTransformation(vmap(tx.init), update_v), params)
     gen = torch.Generator().manual_seed(2)
-    for _ in range(3):
+    for step in range(3):
         g = {k: torch.randn(v.shape, generator=gen, dtype=F64) for k, v in params.items()}
         updates, state_eager = update_v(g, state_eager, params)
         got, state_compiled = compiled(g, state_compiled, params)
-        assert_trees_close(got, updates)
-        assert_trees_close(state_compiled, state_eager)
+        u_mag, s_mag = magnitudes.update(g, params)
+        # (per member: the norms span one member's elements, fewer than the tree's)
+        agree = {"steps": step + 1, "params": params, "msg": f"step {step}"}
+        assert_paths_agree(got, updates, scale=u_mag, **agree)
+        assert_paths_agree(state_compiled, state_eager, scale=s_mag, **agree)
         assert bool(_nonzero_per_member(updates).all())
         params = fo.apply_updates(params, updates)
 
