@@ -210,7 +210,15 @@ def test_none_leaf_carries_state_and_counters_advance(
         )
         _, dense = tx.update({"frozen": frozen_grads[t], "rest": g}, dense, params)
         after, d_dense = fo.state_to_dict(sparse), fo.state_to_dict(dense)
-        if not present:
+        if not present and name == "multi_steps" and t == 2:
+            # The end of MultiSteps' first window (k = 3): the window's gradient is emitted at
+            # the end of that window, also for a leaf without one on this mini-step, and never
+            # leaks into the next window (tests/test_misuse.py checks the values).
+            assert u["frozen"] is not None
+            for k in frozen_keys(after):
+                if "acc_grads" in k:
+                    assert not bool(after[k].any()), f"{k} not cleared at step {t}"
+        elif not present:
             assert u["frozen"] is None
             for k in frozen_keys(after):
                 assert torch.equal(after[k], before[k]), f"{k} changed at step {t}"
