@@ -47,6 +47,30 @@ class DreamerV3Optimizer(TransformOptimizer):
     param has a gradient raises ``RuntimeError``; bad option values raise ``ValueError``.
     Moments are float32 for 16-bit params and in the param's dtype otherwise (torchrl computes
     float64 params in float32).
+
+    The params keep their own storage: after any number of steps each has the same
+    ``untyped_storage()``, storage offset and strides as before, so weights tied by storage stay
+    tied (each tied param's update is added to the shared memory, as torch's optimizers do),
+    aliases of ``p.data`` stay valid and ``safetensors`` (``accelerate``'s default checkpoint
+    format) sees separate tensors. Gradients and the optimizer state live in the optimizer's
+    flat buffers: after a step each ``p.grad`` and each ``state[p]`` entry is a view into them
+    (as DDP's ``gradient_as_bucket_view`` does for gradients), which ``zero_grad`` and
+    ``backward`` keep using.
+
+    ``own_param_storage=True`` (opt-in, faster for models of many small tensors: see
+    ``docs/performance.md``) instead moves the params into those buffers on the first step:
+    ``p.data`` of every param of a group becomes a view into one flat buffer per device and
+    dtype. That has these consequences for the user's model:
+
+    * ``safetensors`` refuses or drops tensors that share a storage: ``safetensors.torch.
+      save_model`` raises, and ``accelerate.Accelerator.save_state()`` (safetensors by default)
+      keeps one tensor of the shared storage and drops the others with a "Removed shared
+      tensor" warning, after which ``load_state()`` fails with missing keys;
+    * weights tied by storage (``dec.weight.data = enc.weight.data.t()``) are untied: each gets
+      its own copy, and they drift apart from the first step;
+    * any alias of ``p.data`` taken before the first step (EMA helpers, CUDA graphs, hooks)
+      goes stale: it keeps the old memory, which the optimizer no longer updates;
+    * ``torch.save`` of one param writes the whole flat buffer.
     """
 
     options: ClassVar[dict[str, str]] = {
@@ -166,6 +190,15 @@ class DreamerV3Optimizer(TransformOptimizer):
             current.append(bucket)
         buckets[index] = (ids, current)
         return current
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["own_param_storage"] = self.own_param_storage
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("own_param_storage", False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint (torchrl's layout); the fast path re-adopts the loaded state."""
