@@ -378,7 +378,7 @@ def test_changing_hyperparameters_does_not_recompile(
         check_step(opt, params, before)  # the new values are used, not stale ones
     assert compilations() == start
     # The counts do see a compilation: a group of another dtype needs kernels of its own.
-    extra = [torch.nn.Parameter(torch.randn(DIRECT + 1, dtype=torch.float64))]
+    extra = [torch.nn.Parameter(torch.randn(MERGE + 1, dtype=torch.float64))]
     opt.add_param_group({"params": extra})
     extra[0].grad = torch.randn_like(extra[0])
     opt.step()
