@@ -1,5 +1,5 @@
 """The fast path of :class:`DreamerV3Optimizer`: flat buffers for gradients and moments, and
-one compiled kernel.
+compiled kernels.
 
 A DreamerV3 step is elementwise work over ``g, p, nu, mu`` plus the per-tensor norms of ``g``
 and ``p`` that adaptive clipping needs. For each (device, dtype) bucket of a param group this
@@ -7,25 +7,27 @@ path keeps the gradients and both moments in contiguous flat buffers (each ``.gr
 state entry is a view into them, as DDP's ``gradient_as_bucket_view`` does for gradients). The
 params themselves stay where the user put them: their storage, offset and strides never change.
 
-Tensors are laid out in *runs* of equal size, so a run of ``rows`` tensors of ``size`` elements
-is a 2-D view ``[rows, size]`` of each buffer. A param is updated in one of four ways:
+The buffers are laid out in *runs* of tensors of equal size, so a run of ``rows`` tensors of
+``size`` elements is a 2-D view ``[rows, size]`` of each buffer. A param is updated on one of
+four routes:
 
-* **Direct** (at least :data:`DIRECT` elements, contiguous, sharing memory with no other param
-  of the group): one call of the compiled kernel per param, on a ``[1, n]`` view of the param's
-  own storage and its rows of the gradient and moment buffers (norms by BLAS dot products for
-  float32/64, a compiled cascade sum for 16-bit params).
-* **Staged runs** (smaller params, or non-contiguous ones): the run's params are copied into a
-  flat scratch buffer (one ``torch.cat``), the compiled kernel updates the scratch rows with one
-  call per run, and one ``torch._foreach_copy_`` writes the new values back into the params'
-  own storages.
+* **Direct** (at least :data:`DIRECT` elements, contiguous, at the start of its storage, sharing
+  memory with no other param of the group): its norms (BLAS dot products for float32/64, a
+  compiled cascade sum for 16-bit params), its clip factor, then one call of the compiled
+  kernel on a ``[1, n]`` view of the param's own storage and its rows of the gradient and
+  moment buffers. The kernel finds ``g`` and ``p`` still in cache from the norms.
+* **Staged** (smaller params in runs of at least :data:`MERGE` elements, and params the direct
+  route cannot take): a piece of a run (about :data:`PIECE` elements) is copied into a scratch
+  buffer (one ``torch.cat``), its norms are taken there, one kernel call updates its rows, and
+  one ``torch._foreach_copy_`` writes the new values back into the params' own storages while
+  the piece is still in cache.
 * **Merged** (runs too small to be worth a kernel call, fewer than :data:`MERGE` elements in
-  all): staged as above, updated together by one eager pass with the clip factor spread per
-  element.
+  all): staged the same way, updated together by one eager pass with the clip factor spread
+  per element.
 * **Shared** (params whose memory overlaps another param of the group, e.g. weights tied by
   storage): every update is computed from the values before the step and added into the
-  params' storage one param after the other, in the group's order (what
-  :class:`~functional_opt.adapters.TransformOptimizer`'s generic step does; tied weights stay
-  tied).
+  shared memory one param after the other, in the group's order, as the generic
+  :class:`~functional_opt.adapters.TransformOptimizer` step adds them (tied weights stay tied).
 
 The kernel reads ``g, p, nu, mu`` and writes ``nu, mu, p`` with the clip factors and step sizes
 broadcast per row; gradients are never modified (the clip is applied inside the kernel, in the
@@ -36,13 +38,14 @@ generic path in the tests. A gradient that is not already a view of the bucket (
 Params without a gradient are masked out per tensor (their state and value are untouched).
 
 With ``own_param_storage=True`` (opt-in) the bucket instead moves the params into a flat buffer
-of its own (``p.data`` becomes a view into it), so staged runs need no copies; see
-:class:`~functional_opt.adapters.DreamerV3Optimizer` for what that costs the user.
+of its own (``p.data`` becomes a view into it), so every run is updated in place with one
+kernel call and nothing is copied; see :class:`~functional_opt.adapters.DreamerV3Optimizer` for
+what that costs the user.
 
 The path is used only for plain dense tensors whose options are Python numbers; anything else
-(``DTensor``, sparse gradients, tensor options) goes through the generic
-:class:`~functional_opt.adapters.TransformOptimizer` step. If ``torch.compile`` is unavailable
-or fails, the same kernel runs eagerly.
+(``DTensor``, sparse gradients, tensor options, memory shared across dtypes) goes through the
+generic :class:`~functional_opt.adapters.TransformOptimizer` step. If ``torch.compile`` is
+unavailable or fails, the same kernels run eagerly.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ MERGE = 1 << 16
 DIRECT = 1 << 15
 """Contiguous params with at least this many elements, at the start of their storage, are
 updated in their own storage, one kernel call each (below it, copying a param into a staged run
-and back costs less than a call)."""
+and back measured cheaper than the calls of its own: norms, clip factor, kernel)."""
 
 PIECE = 1 << 18
 """Staged runs are updated in pieces of about this many elements (copied in, updated and
