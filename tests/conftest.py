@@ -76,10 +76,6 @@ NUMERICS = "numerics"
 """The marker of tests whose results depend on the CPU's code path (kernels, fused, packed and
 flat DreamerV3 paths, compiled updates, oracle comparisons): ``make test`` runs them twice."""
 
-# Test modules that are numerics-sensitive but owned elsewhere: marked here until they carry
-# ``pytestmark = pytest.mark.numerics`` themselves.
-_NUMERICS_MODULES = frozenset({"test_flat_dreamerv3.py"})
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
@@ -97,13 +93,6 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"ATEN_CPU_CAPABILITY={_CAPABILITY!r} is not in effect (ATen runs {aten!r}, "
                 f"inductor generates {inductor!r}): this CPU or torch build cannot run that path"
             )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    del config
-    for item in items:
-        if item.path.name in _NUMERICS_MODULES:
-            item.add_marker(NUMERICS)
 
 
 # --- the tolerance rule -------------------------------------------------------------------
