@@ -15,7 +15,8 @@ four routes:
   memory with no other param of the group): its norms (BLAS dot products for float32/64, a
   compiled cascade sum for 16-bit params), its clip factor, then one call of the compiled
   kernel on a ``[1, n]`` view of the param's own storage and its rows of the gradient and
-  moment buffers. The kernel finds ``g`` and ``p`` still in cache from the norms.
+  moment buffers. Large float32/64 params are taken one at a time, so that the kernel finds
+  ``g`` and ``p`` still in cache from the norms.
 * **Staged** (smaller params in runs of at least :data:`MERGE` elements, and params the direct
   route cannot take): a piece of a run (about :data:`PIECE` elements) is copied into a scratch
   buffer (one ``torch.cat``), its norms are taken there, one kernel call updates its rows, and
@@ -95,11 +96,6 @@ def _factor_from_squares(g_square: Tensor, p_square: Tensor, agc: Tensor, pmin: 
     return agc_factors_from_norms(g_square.sqrt(), p_square.sqrt(), agc, pmin).view(1, 1)
 
 
-def _factor_from_norms(norms: Tensor, agc: Tensor, pmin: Tensor) -> Tensor:
-    """The clip factor of one tensor (``[1, 1]``) from ``norms = [||g||, ||p||]``."""
-    return agc_factors_from_norms(norms[0], norms[1], agc, pmin).view(1, 1)
-
-
 MERGE = 1 << 16
 """Runs with fewer elements than this (all their tensors together) share one eager pass."""
 
@@ -107,6 +103,11 @@ DIRECT = 1 << 15
 """Contiguous params with at least this many elements, at the start of their storage, are
 updated in their own storage, one kernel call each (below it, copying a param into a staged run
 and back measured cheaper than the calls of its own: norms, clip factor, kernel)."""
+
+INTERLEAVE = 1 << 17
+"""Direct float32/64 params with at least this many elements take their norms right before
+their kernel call (below it, the compiled call of the clip factor costs more than finding ``g``
+and ``p`` in cache saves)."""
 
 PIECE = 1 << 18
 """Staged runs are updated in pieces of about this many elements (copied in, updated and
@@ -404,10 +405,13 @@ class FlatBucket:
     def _step_direct(
         self, indices: list[int], agc: float, pmin: float, scalars: list[Tensor]
     ) -> None:
-        """The direct params, one at a time: norms, clip factor, then one kernel call on the
-        param's own storage, which finds ``g`` and ``p`` still in cache from the norms. (The
-        factor is computed apart: folded into the kernel, its scalar math would run once per
-        vector of elements, which measured up to 40% slower.)"""
+        """The direct params: norms, clip factors, then one kernel call per param on its own
+        storage. Float32/64 params of at least :data:`INTERLEAVE` elements are taken one at a
+        time (norms by BLAS dot products, the clip factor by a compiled call, then the kernel,
+        which finds ``g`` and ``p`` still in cache from the norms); the others have their norms
+        taken first and their clip factors computed together (16-bit: a compiled cascade sum
+        per param, without widened copies). (Folded into the kernel, the clip factor's scalar
+        math would run once per vector of elements: measured up to 40% slower.)"""
         mdtype = self.nu.dtype
         device = self.g.device
         if agc <= 0:
@@ -416,18 +420,30 @@ class FlatBucket:
                 g, p, nu, mu, _, _, step_size = self.direct_args[i]
                 self._call(_apply, g, p, nu, mu, one, step_size, *scalars)
             return
-        clip = torch.tensor(agc, dtype=mdtype, device=device)
-        floor = torch.tensor(pmin, dtype=mdtype, device=device)
         wide = self.g.dtype == mdtype
-        for i in indices:
-            g, p, nu, mu, flat_g, flat_p, step_size = self.direct_args[i]
+        one_by_one = [i for i in indices if wide and self.sizes[i] >= INTERLEAVE]
+        together = [i for i in indices if not wide or self.sizes[i] < INTERLEAVE]
+        if together:
+            args = [self.direct_args[i] for i in together]
             if wide:  # float32/64: BLAS dot products
+                squares = [torch.dot(a[4], a[4]) for a in args]
+                squares += [torch.dot(a[5], a[5]) for a in args]
+                norms = torch.stack(squares).sqrt_().view(2, -1)
+                factors = self._factors(norms[0], norms[1], agc, pmin).view(-1, 1)
+            else:  # 16-bit: a compiled cascade sum, without widened copies
+                pairs = [self._call(_kernels.norm_pair, a[4], a[5], mdtype) for a in args]
+                norms = torch.stack(pairs)
+                factors = self._factors(norms[:, 0], norms[:, 1], agc, pmin).view(-1, 1)
+            for k, (g, p, nu, mu, _, _, step_size) in enumerate(args):
+                self._call(_apply, g, p, nu, mu, factors[k : k + 1], step_size, *scalars)
+        if one_by_one:
+            clip = torch.tensor(agc, dtype=mdtype, device=device)
+            floor = torch.tensor(pmin, dtype=mdtype, device=device)
+            for i in one_by_one:
+                g, p, nu, mu, flat_g, flat_p, step_size = self.direct_args[i]
                 g_square, p_square = torch.dot(flat_g, flat_g), torch.dot(flat_p, flat_p)
                 factor = self._call(_factor_from_squares, g_square, p_square, clip, floor)
-            else:  # 16-bit: a compiled cascade sum, without widened copies
-                norms = self._call(_kernels.norm_pair, flat_g, flat_p, mdtype)
-                factor = self._call(_factor_from_norms, norms, clip, floor)
-            self._call(_apply, g, p, nu, mu, factor, step_size, *scalars)
+                self._call(_apply, g, p, nu, mu, factor, step_size, *scalars)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``_kernels.call(fn, *args)`` for the per-param calls of direct params. Once ``fn``
