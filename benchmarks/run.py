@@ -1,10 +1,13 @@
 """Optimizer-step benchmark: ours vs torch.optim, torchrl and optax, side by side in one process.
 
-Every method steps the same parameters and gradients; methods are interleaved round by round and
-the median step time of each is reported as a multiple of ``torch.optim.Adam(fused=True)`` on the
-same workload (absolute times on shared machines are noise, ratios measured together are not).
-torch is pinned to one thread (and JAX/XLA to one CPU thread) so that another process on the
-machine cannot make the spinning OpenMP threads of one method slower than another's.
+Every method steps the same parameters and gradients; methods are interleaved round by round,
+and each is reported as the median over rounds of its step time divided by that of
+``torch.optim.Adam(fused=True)`` in the same round, on the same workload (absolute times on
+shared machines are noise, ratios measured together are not). Steps are timed in CPU time of
+the process (``--clock cpu``, the default: time spent waiting for a core that another process
+holds is not counted) or wall time (``--clock wall``). torch is pinned to one thread (and
+JAX/XLA to one CPU thread) so that another process on the machine cannot make the spinning
+OpenMP threads of one method slower than another's.
 
     python benchmarks/run.py                 # all workloads, writes docs/performance-table.md
     python benchmarks/run.py --quick         # fewer rounds, smaller workloads
@@ -107,12 +110,14 @@ def torchrl_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
     return lambda: opt.step()
 
 
-def ours_adapter(params: list[torch.nn.Parameter], flat: bool = True) -> Step | None:
+def ours_adapter(
+    params: list[torch.nn.Parameter], flat: bool = True, own: bool = False
+) -> Step | None:
     try:
         from functional_opt.adapters import DreamerV3Optimizer
     except ImportError:
         return None
-    opt = DreamerV3Optimizer(params, lr=1e-4, warmup_steps=0)
+    opt = DreamerV3Optimizer(params, lr=1e-4, warmup_steps=0, own_param_storage=own)
     opt.flat_step = flat
     return lambda: opt.step()
 
@@ -228,6 +233,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: compiled step (update + apply), donated": ours_compiled_step,
     "ours: DreamerV3Optimizer, generic path": lambda ps: ours_adapter(ps, flat=False),
     "ours: DreamerV3Optimizer": ours_adapter,
+    "ours: DreamerV3Optimizer(own_param_storage=True)": lambda ps: ours_adapter(ps, own=True),
 }
 
 
@@ -263,9 +269,9 @@ def copy_bandwidth(numel: int = 2**24, repeats: int = 15) -> float:
         fn()
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         best = max(best, nbytes * numel / statistics.median(times))
     return best
 
@@ -280,9 +286,15 @@ minutes (one compile of the donated update had not finished after 20), which no 
 pay."""
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+clock = CLOCKS["cpu"]
+
+
 def bench(
     w: Workload, rounds: int, methods: list[str], memory: dict[str, int | None]
 ) -> dict[str, float]:
+    """Each method's median step time in seconds, and under ``"<name> / Adam fused"`` its
+    median over rounds of the ratio to fused Adam's time in the same round."""
     steps: dict[str, Step] = {}
     for name in methods:
         if (name, w.name.split(":")[0]) in SKIP:
@@ -302,10 +314,17 @@ def bench(
     for _ in range(rounds):
         for name, step in steps.items():
             gc.collect()
-            start = time.perf_counter()
+            start = clock()
             step()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(clock() - start)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    base = times.get("Adam fused")
+    if base:
+        for name, ts in times.items():
+            out[f"{name} / Adam fused"] = statistics.median(
+                t / b for t, b in zip(ts, base, strict=True)
+            )
+    return out
 
 
 COLD = ["ours: DreamerV3Optimizer", "ours: functional eager, donated"]
@@ -344,8 +363,9 @@ def scaling(rounds: int) -> str:
         w = Workload(f"{numel}x{count}", [(numel // count,)] * count)
         res = bench(w, rounds, ["Adam fused", "ours: DreamerV3Optimizer"], {})
         a, o = res["Adam fused"], res["ours: DreamerV3Optimizer"]
+        ratio = res["ours: DreamerV3Optimizer / Adam fused"]
         rows.append(
-            f"| {numel / 2**20:.0f}M | {count} | {1e3 * a:.2f} | {1e3 * o:.2f} | {o / a:.2f}x |"
+            f"| {numel / 2**20:.0f}M | {count} | {1e3 * a:.2f} | {1e3 * o:.2f} | {ratio:.2f}x |"
         )
         print(rows[-1])
     return "\n".join(rows)
@@ -362,7 +382,7 @@ def chart(results: dict[str, dict[str, float]], path: Path) -> None:
     width = 0.8 / max(len(names), 1)
     for k, name in enumerate(names):
         xs = [i + k * width for i in range(len(results))]
-        ys = [r.get(name, 0.0) / r["Adam fused"] for r in results.values()]
+        ys = [r.get(f"{name} / Adam fused", 0.0) for r in results.values()]
         ax.bar(xs, ys, width, label=name)
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="Adam fused = 1")
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(results))])
@@ -388,10 +408,10 @@ def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[s
             base = res.get("Adam fused")
             if name.startswith("roofline"):
                 bytes_per = 36 if "bf16" not in wname else 26  # bf16 g, p; fp32 moments
-                value = bytes_per * numels[wname] / bandwidth
+                ratio = bytes_per * numels[wname] / bandwidth / base if base else None
             else:
-                value = res.get(name)  # type: ignore[assignment]
-            cells.append("n/a" if value is None or not base else f"{value / base:.2f}x")
+                ratio = res.get(f"{name} / Adam fused")
+            cells.append("n/a" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
@@ -429,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cold", action="store_true", help="also time W1's first step with a cold compile cache"
     )
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="cpu", help="time steps in CPU or wall time"
+    )
     args = parser.parse_args(argv)
+    global clock
+    clock = CLOCKS[args.clock]
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
     # First, as in a user's fresh process: measured after the workloads (this process then holds
     # gigabytes of them), the same first step took 15-17 s instead of 10-12 s.
@@ -452,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text += (
         f"\n\nMeasured streaming bandwidth {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread."
+        f"{torch.get_num_threads()} thread; {args.clock} time."
     )
     if cold:
         text += "\n\nFirst W1 step in a fresh process with an empty compiler cache: " + ", ".join(
