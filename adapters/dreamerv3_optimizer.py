@@ -124,15 +124,21 @@ class DreamerV3Optimizer(TransformOptimizer):
         params: list[Tensor] = group["params"]
         buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]]
         buckets = self.__dict__.setdefault("_buckets", {})
-        flat = self._flat_buckets(index, params, buckets) if self.flat_step else None
-        present = None
-        if flat is not None and eligible_options(group):
-            present = [bucket.gather_grads() for bucket in flat]
-        if flat is None or present is None or any(p is None for p in present):
+        flat: list[FlatBucket] | None = None
+        plans: list[tuple[list[int], list[int]] | None] | None = None
+        if self.flat_step and eligible_options(group):
+            self._layout(index, group)  # validates the options before anything changes
+            flat = self._flat_buckets(index, params, buckets)
+            if flat is not None:
+                plans = [bucket.plan_grads() for bucket in flat]
+        if flat is None or plans is None or any(plan is None for plan in plans):
             buckets.pop(index, None)  # the generic path may create state outside the buckets
             super()._step_group(index, group)
             return
-        self._layout(index, group)  # validates the options as the generic path does
+        present = [
+            bucket.take_grads(plan)  # type: ignore[arg-type]
+            for bucket, plan in zip(flat, plans, strict=True)
+        ]
         step = group["step"] + 1
         warmup = group["warmup_steps"]
         lr = group["lr"] * (min(1.0, (step - 1) / warmup) if warmup else 1.0)
@@ -142,7 +148,7 @@ class DreamerV3Optimizer(TransformOptimizer):
             if not indices:
                 continue
             bucket.step(
-                indices,  # type: ignore[arg-type]
+                indices,
                 lr=lr,
                 bc1=1 - b1**step,
                 bc2=1 - b2**step,
@@ -152,7 +158,7 @@ class DreamerV3Optimizer(TransformOptimizer):
                 beta2=b2,
                 eps=group["eps"],
             )
-            bucket.bind_state(self.state, names, indices)  # type: ignore[arg-type]
+            bucket.bind_state(self.state, names, indices)
         group["step"] = step
 
     def _flat_buckets(

@@ -459,18 +459,18 @@ class FlatBucket:
             self.kernels[fn] = _kernels.compiled(fn, *args)
         return out
 
-    def gather_grads(self) -> list[int] | None:
-        """The bucket indices of the params with a gradient, after copying gradients that are
-        not views of the bucket in (their ``.grad`` becomes the view); ``None`` if a gradient
-        is one the flat path cannot take (sparse, a tensor subclass), before copying anything.
-        """
+    def plan_grads(self) -> tuple[list[int], list[int]] | None:
+        """The bucket indices of the params with a gradient, and of those whose gradient is
+        not a view of the bucket (to copy in: :meth:`take_grads`); ``None`` if a gradient is
+        one the flat path cannot take (sparse, a tensor subclass, another shape). Changes
+        nothing."""
         views = self.g_views
         if all(map(operator.is_, map(_GRAD, self.params), views)):  # the usual step
-            return self.everyone
-        grads = [p.grad for p in self.params]
+            return self.everyone, []
         present = []
         copy = []
-        for i, (g, view) in enumerate(zip(grads, views, strict=True)):
+        for i, (p, view) in enumerate(zip(self.params, views, strict=True)):
+            g = p.grad
             if g is None:
                 continue
             present.append(i)
@@ -478,8 +478,16 @@ class FlatBucket:
                 if not _eligible_grad(g, view):
                     return None
                 copy.append(i)
+        return present, copy
+
+    def take_grads(self, plan: tuple[list[int], list[int]]) -> list[int]:
+        """Copy the gradients of ``plan`` (from :meth:`plan_grads`) that are not views of the
+        bucket in (their ``.grad`` becomes the view); returns the params with a gradient."""
+        present, copy = plan
         if copy:
-            torch._foreach_copy_([views[i] for i in copy], [grads[i] for i in copy])  # type: ignore[misc]
+            views = self.g_views
+            grads = [self.params[i].grad for i in copy]
+            torch._foreach_copy_([views[i] for i in copy], grads)  # type: ignore[arg-type]
             for i in copy:
                 self.params[i].grad = views[i]
         return present
@@ -497,7 +505,7 @@ class FlatBucket:
         beta2: float,
         eps: float,
     ) -> None:
-        """One update of the params at ``present`` (from :meth:`gather_grads`)."""
+        """One update of the params at ``present`` (from :meth:`take_grads`)."""
         n_params = len(self.params)
         everyone = len(present) == n_params
         absent = [] if everyone else sorted(set(range(n_params)) - set(present))

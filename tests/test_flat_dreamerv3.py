@@ -407,3 +407,31 @@ def test_step_under_torch_compile_matches_eager() -> None:
         ops=dreamerv3_leaf_ops(torch.float32, steps=3, apply=True),
         scale=magnitudes(make_params(), torch.float32, options, steps=3),
     )
+
+
+def test_a_refused_step_leaves_gradients_and_params_alone() -> None:
+    # One group, two buckets: the float64 one has a sparse gradient (the flat path cannot take
+    # it; the generic path refuses it). Nothing changes, not even which tensor the float32
+    # param's fresh gradient is (copying it into its bucket used to come first). Also a bad
+    # option is refused before any bucket is touched.
+    a = torch.nn.Parameter(torch.randn(MERGE + 5))
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    opt = DreamerV3Optimizer([a, b], lr=1e-2, warmup_steps=0)
+    grad = torch.randn_like(a)
+    a.grad = grad
+    b.grad = torch.sparse_coo_tensor([[1]], [1.0], (4,), dtype=torch.float64, check_invariants=True)
+    values = [a.detach().clone(), b.detach().clone()]
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert a.grad is grad
+    assert_bitwise([a.detach(), b.detach()], values)
+    assert not opt.state
+    b.grad = torch.randn_like(b)
+    opt.step()  # builds the buckets; a.grad is now a view of its bucket
+    view = a.grad
+    a.grad = torch.randn_like(a)
+    fresh = a.grad
+    opt.param_groups[0]["beta1"] = 1.5
+    with pytest.raises(ValueError, match="beta1"):
+        opt.step()
+    assert a.grad is fresh and a.grad is not view
