@@ -224,8 +224,7 @@ class FlatBucket:
         self.own = own_param_storage
         self.kernels: dict[Callable[..., Any], _kernels._Compiled] = {}
         """Compiled kernels of the per-param calls (see :meth:`_call`)."""
-        if own_param_storage:
-            shared = ()
+        shared = set() if own_param_storage else set(shared)
         by_size: dict[int, list[int]] = {}
         direct: list[int] = []
         shared_order = [i for i in range(len(params)) if i in shared]
