@@ -54,7 +54,9 @@ def test_dreamerv3_metrics_match_reference(accumulation: int, clip_norm: float |
         grad = _window_grad(model, batches)
         seen: dict[int, torch.Tensor] = {}  # each param's .grad once backward accumulated it
         hooks = [
-            p.register_post_accumulate_grad_hook(lambda q, j=j: seen.__setitem__(j, q.grad.clone()))
+            p.register_post_accumulate_grad_hook(
+                lambda q, j=j, out=seen: out.__setitem__(j, q.grad.clone())
+            )
             for j, p in enumerate(model.parameters())
         ]
         before = [p.detach().clone() for p in model.parameters()]
