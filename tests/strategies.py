@@ -114,26 +114,3 @@ def masks_for(structure: Any) -> st.SearchStrategy[Any]:
     n = len(tleaves(structure))
     spec = optree.tree_structure(structure, none_is_leaf=True)
     return st.lists(st.booleans(), min_size=n, max_size=n).map(lambda bs: spec.unflatten(bs))
-
-
-def assert_tree_close(
-    actual: Any, expected: Any, rtol: float = 1e-9, atol: float = 1e-12, msg: str = ""
-) -> None:
-    """Same structure, ``None`` where expected is ``None``, and close values (NaN == NaN)."""
-    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=True)
-    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=True)
-    assert a_spec == e_spec, f"{msg}: structure {a_spec} != {e_spec}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
-        if e is None:
-            assert a is None, f"{msg}: leaf {i} should be None, got {a!r}"
-            continue
-        assert isinstance(a, torch.Tensor), f"{msg}: leaf {i} is {a!r}"
-        assert a.shape == e.shape, f"{msg}: leaf {i} shape {a.shape} != {e.shape}"
-        torch.testing.assert_close(
-            a.to(torch.float64),
-            e.to(torch.float64),
-            rtol=rtol,
-            atol=atol,
-            equal_nan=True,
-            msg=lambda m, i=i: f"{msg}: leaf {i}: {m}",
-        )
