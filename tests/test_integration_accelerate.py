@@ -9,12 +9,13 @@ ready-made chain.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import assert_bitwise
 from torch import nn
 
 import functional_opt as fo
@@ -92,21 +93,6 @@ class Run:
                 self.opt.zero_grad()
 
 
-def assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, Mapping):
-        assert isinstance(b, Mapping) and set(a) == set(b)
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_save_state_and_load_state_resume_exactly(kind: str, tmp_path: Path) -> None:
     make = OPTIMIZERS[kind]
@@ -138,7 +124,7 @@ def test_save_state_and_load_state_resume_exactly(kind: str, tmp_path: Path) -> 
         assert value.dtype == torch.float32
         assert torch.equal(value, final[name]), name
     assert any(not torch.equal(p, q) for p, q in zip(final.values(), initial, strict=True))
-    assert_same(resumed.opt.state_dict(), final_opt)
+    assert_bitwise(resumed.opt.state_dict(), final_opt)
     assert resumed.opt.param_groups[0]["lr"] == final_lr
     assert final_lr == pytest.approx(1e-2 * (3 if kind == "dreamerv3" else 1) / 5, rel=1e-12)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_bitwise
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -112,21 +113,6 @@ def trainer(tmp_path: Path, epochs: int, **kwargs: Any) -> Any:
     return pl.Trainer(**options)
 
 
-def assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, Mapping):
-        assert isinstance(b, Mapping) and set(a) == set(b)
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_fit_resumes_from_a_checkpoint_exactly(kind: str, tmp_path: Path) -> None:
     make = OPTIMIZERS[kind]
@@ -153,7 +139,7 @@ def test_fit_resumes_from_a_checkpoint_exactly(kind: str, tmp_path: Path) -> Non
         assert p.dtype == torch.float32 and not torch.equal(p, p0)  # trained in fp32
         assert torch.equal(p, q)
     assert straight.output_dtypes == resumed.output_dtypes == {torch.bfloat16}  # autocast ran
-    assert_same(run.optimizers[0].state_dict(), rest.optimizers[0].state_dict())
+    assert_bitwise(run.optimizers[0].state_dict(), rest.optimizers[0].state_dict())
     if kind == "chain":
         lr = run.optimizers[0].param_groups[0]["lr"]
         assert lr == pytest.approx(1e-2 / (1 + 4 * STEPS_PER_EPOCH), rel=1e-12)
