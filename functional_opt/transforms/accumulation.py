@@ -27,20 +27,27 @@ from functional_opt.base import (
 from functional_opt.transforms.finite import negative_zeros_like, select_tree
 from functional_opt.tree import PyTree
 
-__all__ = ["MultiSteps", "MultiStepsState", "multi_steps"]
+__all__ = ["MultiSteps", "MultiStepsState", "ShouldSkipUpdateFn", "multi_steps"]
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 class MultiStepsState(NamedTuple):
     """``mini_step`` within the window, ``gradient_step`` (inner updates so far), the inner
-    transform's state and the accumulated gradients ``acc_grads`` (the running mean of the
-    window so far, or its sum)."""
+    transform's state, the accumulated gradients ``acc_grads`` (the running mean of the window
+    so far, or its sum) and ``skip_state``, what ``should_skip_update_fn`` returned last (``()``
+    without one)."""
 
     mini_step: Tensor
     gradient_step: Tensor
     inner_opt_state: Any
     acc_grads: PyTree
+    skip_state: PyTree = ()
+
+
+ShouldSkipUpdateFn = Callable[[Updates, Tensor, Params | None], tuple[Any, PyTree]]
+"""``should_skip_update_fn(updates, gradient_step, params) -> (should_skip, skip_state)``:
+``should_skip`` a 0-d bool tensor (or a Python bool), ``skip_state`` any tree of tensors."""
 
 
 def _eager(counter: Tensor) -> bool:
@@ -81,6 +88,19 @@ class MultiSteps:
     The zero updates of a non-emitting mini-step are negative zeros, so ``apply_updates`` leaves
     every param bit for bit as it was (``-0.0 + 0.0`` would be ``+0.0``).
 
+    **Skipping mini-steps** (optax's ``should_skip_update_fn``). Given, it is called on every
+    mini-step as ``should_skip_update_fn(updates, gradient_step, params)`` with the incoming
+    updates and returns ``(should_skip, skip_state)``: ``should_skip`` a 0-d bool tensor (or a
+    Python bool; else ``ValueError``), ``skip_state`` any tree of tensors, stored in
+    ``state.skip_state`` (for monitoring; ``init`` calls the function on zero updates to make
+    its first value). A skipped mini-step never happened: the updates are negative zeros and
+    the state is the old one bit for bit (``mini_step``, ``gradient_step``, accumulators and the
+    inner state) except ``skip_state``. :func:`~functional_opt.skip_not_finite` and
+    :func:`~functional_opt.skip_large_updates` are ready-made functions. In eager mode with a
+    CPU flag the skipped mini-step does no other work; otherwise (an accelerator's flag,
+    ``torch.compile``, ``vmap``) the mini-step is computed and the old state selected with
+    ``torch.where``, without reading the flag on the host.
+
     **The window.** ``k`` is compared with the int32 ``mini_step``: an int ``every_k_schedule``
     (or an int returned by a schedule, checked at each update) must be in ``[1, 2**31 - 1]``,
     else ``ValueError``; a tensor returned by a schedule is the caller's promise (it is rounded
@@ -112,6 +132,7 @@ class MultiSteps:
         opt: GradientTransformation,
         every_k_schedule: int | Callable[[Tensor], int | Tensor],
         use_grad_mean: bool = True,
+        should_skip_update_fn: ShouldSkipUpdateFn | None = None,
         accumulator_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         if not isinstance(opt, GradientTransformation):
@@ -123,7 +144,10 @@ class MultiSteps:
         else:
             self._every_k = every_k_schedule
         _validate.boolean("use_grad_mean", use_grad_mean)
+        if should_skip_update_fn is not None:
+            _validate.function("should_skip_update_fn", should_skip_update_fn)
         _validate.float_dtype("accumulator_dtype", accumulator_dtype)
+        self._should_skip = should_skip_update_fn
         self._opt = opt
         self._accepted = extra_keywords(opt)  # the keywords ``opt`` takes, and no others
         self._use_grad_mean = use_grad_mean
@@ -154,7 +178,36 @@ class MultiSteps:
             lambda p: torch.zeros_like(p, dtype=torch.promote_types(want or p.dtype, p.dtype)),
             params,
         )
-        return MultiStepsState(zero_count(), zero_count(), self._opt.init(params), acc)
+        skip_state: PyTree = ()
+        if self._should_skip is not None:  # its state's structure, from zero updates (optax)
+            zeros = tree.map_params(torch.zeros_like, params)
+            _, skip_state = self._skip(self._should_skip, zeros, zero_count(), params)
+        return MultiStepsState(zero_count(), zero_count(), self._opt.init(params), acc, skip_state)
+
+    def _skip(
+        self, fn: ShouldSkipUpdateFn, updates: Updates, gradient_step: Tensor, params: Params | None
+    ) -> tuple[Tensor, PyTree]:
+        """``should_skip_update_fn``'s answer, checked: a 0-d bool tensor and the skip state."""
+        out = fn(updates, gradient_step, params)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "should_skip_update_fn must return a pair (should_skip, skip_state), got "
+                f"{type(out).__name__}"
+            )
+        skip, skip_state = out
+        if isinstance(skip, bool):
+            skip = torch.tensor(skip)
+        if not isinstance(skip, Tensor) or skip.dtype != torch.bool or skip.dim() != 0:
+            got = (
+                f"a {skip.dtype} tensor of shape {tuple(skip.shape)}"
+                if isinstance(skip, Tensor)
+                else f"a {type(skip).__name__}"
+            )
+            raise ValueError(
+                "should_skip_update_fn must return should_skip as a 0-d bool tensor (or a "
+                f"Python bool), got {got}"
+            )
+        return skip, skip_state
 
     def update(
         self, updates: Updates, state: MultiStepsState, params: Params | None = None, **extra: Any
@@ -162,6 +215,35 @@ class MultiSteps:
         # Keywords are checked on every mini-step, also those where ``opt`` does not run.
         donate = donating(extra, self._accepted)
         expect_state(state, MultiStepsState, "MultiSteps")
+        fn = self._should_skip
+        if fn is None:
+            return self._accumulate(updates, state, params, extra, donate)
+        skip, skip_state = self._skip(fn, updates, state.gradient_step, params)
+        if _can_branch(skip):  # a CPU flag in eager mode: reading it is free
+            if bool(skip):
+                g, at = tree.split(updates)
+                at.take(state.acc_grads, "state.acc_grads")  # a mini-step's checks
+                zeros = at.updates(negative_zeros_like(g))
+                return zeros, state._replace(skip_state=skip_state)
+            out, new = self._accumulate(updates, state, params, extra, donate)
+            return out, new._replace(skip_state=skip_state)
+        # Both outcomes computed and selected: the old state may be kept, so nothing donates.
+        out, new = self._accumulate(updates, state, params, without_donation(extra), False)
+        values, where = tree.split(out)
+        kept = select_tree(skip, state._replace(skip_state=()), new._replace(skip_state=()))
+        return where.updates(
+            _lists.where(skip, negative_zeros_like(values), values)
+        ), kept._replace(skip_state=skip_state)
+
+    def _accumulate(
+        self,
+        updates: Updates,
+        state: MultiStepsState,
+        params: Params | None,
+        extra: dict[str, Any],
+        donate: bool,
+    ) -> tuple[Updates, MultiStepsState]:
+        """A mini-step that is not skipped."""
         g, at = tree.split(updates)
         old = at.take(state.acc_grads, "state.acc_grads")
         acc_all = at.flat(state.acc_grads, "state.acc_grads")
@@ -260,9 +342,10 @@ def multi_steps(
     opt: GradientTransformation,
     every_k_schedule: int | Callable[[Tensor], int | Tensor],
     use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
     accumulator_dtype: torch.dtype | None = torch.float32,
 ) -> GradientTransformation:
     """The transform form of :class:`MultiSteps`."""
     return MultiSteps(
-        opt, every_k_schedule, use_grad_mean, accumulator_dtype
+        opt, every_k_schedule, use_grad_mean, should_skip_update_fn, accumulator_dtype
     ).gradient_transformation()
