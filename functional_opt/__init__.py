@@ -5,7 +5,18 @@ A transform is ``init(params) -> state`` and ``update(updates, state, params=Non
 """
 
 from functional_opt import loss_scale, metrics, packed, schedules, tree
-from functional_opt.aliases import adam, adamw, sgd
+from functional_opt.aliases import (
+    adabelief,
+    adagrad,
+    adam,
+    adamw,
+    lamb,
+    lion,
+    nadam,
+    radam,
+    rmsprop,
+    sgd,
+)
 from functional_opt.base import (
     EmptyState,
     GradientTransformation,
@@ -27,6 +38,8 @@ from functional_opt.schedules import (
     warmup_cosine_decay_schedule,
 )
 from functional_opt.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
+from functional_opt.transforms.adagrad import ScaleByRssState, scale_by_rss
+from functional_opt.transforms.belief import ScaleByBeliefState, scale_by_belief
 from functional_opt.transforms.clipping import (
     adaptive_grad_clip,
     clip,
@@ -36,23 +49,29 @@ from functional_opt.transforms.clipping import (
 from functional_opt.transforms.combinators import MaskedState, PartitionState, masked, partition
 from functional_opt.transforms.finite import ApplyIfFiniteState, apply_if_finite
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_opt.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_opt.transforms.moments import (
     EmaState,
     ScaleByAdamState,
     ScaleByRmsState,
     ScaleByRmsWithCountState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
     TraceState,
     ema,
     scale_by_adam,
     scale_by_rms,
+    scale_by_stddev,
     trace,
 )
+from functional_opt.transforms.radam import scale_by_radam
 from functional_opt.transforms.scaling import (
     ScaleByScheduleState,
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from functional_opt.transforms.trust_ratio import scale_by_trust_ratio
 from functional_opt.transforms.weight_decay import add_decayed_weights
 
 __version__ = "0.1.0"
@@ -69,10 +88,17 @@ __all__ = [
     "Packed",
     "PartitionState",
     "ScaleByAdamState",
+    "ScaleByBeliefState",
+    "ScaleByLionState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "adabelief",
+    "adagrad",
     "adam",
     "adamw",
     "adaptive_grad_clip",
@@ -92,21 +118,32 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "lamb",
     "linear_schedule",
+    "lion",
     "loss_scale",
     "masked",
     "metrics",
     "multi_steps",
+    "nadam",
     "named_chain",
     "pack",
     "packed",
     "partition",
+    "radam",
+    "rmsprop",
     "safe_increment",
     "scale",
     "scale_by_adam",
+    "scale_by_belief",
     "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_radam",
     "scale_by_rms",
+    "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_stddev",
+    "scale_by_trust_ratio",
     "schedules",
     "sgd",
     "state_from_dict",

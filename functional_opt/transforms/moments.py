@@ -1,4 +1,5 @@
-"""Moment estimates: ``scale_by_rms``, ``scale_by_adam``, ``trace`` (momentum) and ``ema``.
+"""Moment estimates: ``scale_by_rms``, ``scale_by_stddev``, ``scale_by_adam``, ``trace``
+(momentum) and ``ema``.
 
 Moments are stored in the dtype chosen at ``init`` and keep it on every update; the returned
 updates keep each incoming update's dtype.
@@ -30,6 +31,8 @@ __all__ = [
     "EmaState",
     "MomentDtype",
     "ScaleByAdamState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
     "TraceState",
@@ -38,6 +41,7 @@ __all__ = [
     "moment_dtype",
     "scale_by_adam",
     "scale_by_rms",
+    "scale_by_stddev",
     "trace",
 ]
 
@@ -133,6 +137,90 @@ def scale_by_rms(
         if isinstance(state, ScaleByRmsWithCountState):
             return at.updates(out), ScaleByRmsWithCountState(count, new_nu)
         return at.updates(out), ScaleByRmsState(new_nu)
+
+    return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
+
+
+class ScaleByRStdDevState(NamedTuple):
+    """``mu``: running average of updates; ``nu``: running average of squared updates."""
+
+    mu: PyTree
+    nu: PyTree
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    """``count`` of updates, ``mu`` and ``nu`` (see :class:`ScaleByRStdDevState`)."""
+
+    count: Tensor  # type: ignore[assignment]
+    mu: PyTree
+    nu: PyTree
+
+
+def _inverse_stddev(
+    mu: list[Tensor], nu: list[Tensor], eps: float | Tensor, eps_in_sqrt: bool
+) -> list[Tensor]:
+    """``1 / sqrt(nu - |mu|^2 + eps)`` (``eps_in_sqrt``) or ``1 / (sqrt(nu - |mu|^2) + eps)``."""
+    variance = _lists.sub(nu, _lists.square(mu))
+    if eps_in_sqrt:
+        return [torch.rsqrt(v) for v in _lists.add_scalar(variance, eps)]
+    return [torch.reciprocal(v) for v in _lists.add_scalar(_lists.sqrt(variance), eps)]
+
+
+def scale_by_stddev(
+    decay: float | Tensor = 0.9,
+    eps: float | Tensor = 1e-8,
+    initial_scale: float = 0.0,
+    eps_in_sqrt: bool = True,
+    bias_correction: bool = False,
+) -> GradientTransformation:
+    """Centered RMSProp scaling, by the running standard deviation of the updates.
+
+    ``mu <- decay * mu + (1 - decay) * u``; ``nu <- decay * nu + (1 - decay) * u**2``; hats
+    divided by ``1 - decay**t`` if ``bias_correction``; ``u -> u / sqrt(nu_hat - mu_hat**2 +
+    eps)`` (``eps_in_sqrt``) or ``u -> u / (sqrt(nu_hat - mu_hat**2) + eps)``. ``nu`` starts at
+    ``initial_scale``, ``mu`` at 0."""
+    _validate.unit_interval("decay", decay)
+    _validate.non_negative("eps", eps)
+    _validate.non_negative("initial_scale", initial_scale)
+    _validate.boolean("eps_in_sqrt", eps_in_sqrt)
+    _validate.boolean("bias_correction", bias_correction)
+    debias = bias_correction
+    State = ScaleByRStdDevWithCountState if debias else ScaleByRStdDevState
+
+    def init_fn(params: Params) -> ScaleByRStdDevState | ScaleByRStdDevWithCountState:
+        mu = _full_like(params, 0.0, None)
+        nu = _full_like(params, initial_scale, None)
+        if debias:
+            return ScaleByRStdDevWithCountState(zero_count(), mu, nu)
+        return ScaleByRStdDevState(mu, nu)
+
+    def update_fn(
+        updates: Updates,
+        state: ScaleByRStdDevState | ScaleByRStdDevWithCountState,
+        params: Params | None = None,
+        **extra: Any,
+    ) -> tuple[Updates, ScaleByRStdDevState | ScaleByRStdDevWithCountState]:
+        del params
+        check_extra(extra, "scale_by_stddev")
+        expect_state(state, State, "scale_by_stddev")
+        donate = donating(extra)
+        g, at = tree.split(updates)
+        mu_old = at.take(state.mu, "state.mu")
+        nu_old = at.take(state.nu, "state.nu")
+        mu = _lists.moment(mu_old, g, decay, 1, donate=donate)
+        nu = _lists.moment(nu_old, g, decay, 2, donate=donate)
+        if isinstance(state, ScaleByRStdDevWithCountState):
+            count = safe_increment(state.count)
+            mu_hat, nu_hat = _debias(mu, decay, count), _debias(nu, decay, count)
+        else:
+            mu_hat, nu_hat = mu, nu
+        scaling = _inverse_stddev(mu_hat, nu_hat, eps, eps_in_sqrt)
+        out = _lists.like(_lists.mul(_lists.like(g, scaling), scaling), g)
+        new_mu = at.carry(state.mu, _lists.like(mu, mu_old), "state.mu")
+        new_nu = at.carry(state.nu, _lists.like(nu, nu_old), "state.nu")
+        if isinstance(state, ScaleByRStdDevWithCountState):
+            return at.updates(out), ScaleByRStdDevWithCountState(count, new_mu, new_nu)
+        return at.updates(out), ScaleByRStdDevState(new_mu, new_nu)
 
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
