@@ -3,6 +3,9 @@ DreamerV3's per-tensor ``clip_by_agc``."""
 
 from __future__ import annotations
 
+import numbers
+from typing import Any, Literal
+
 import torch
 from torch import Tensor
 
@@ -56,34 +59,98 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
     return stateless(apply)
 
 
-def unitwise_norm(x: Tensor) -> Tensor:
-    """L2 norm per output unit, broadcast to ``x.shape`` (optax's layout: scalars and vectors
-    whole, 2-D/3-D over axis 0, 4-D over axes 0-2, 5-D over axes 0-3); complex ``x`` sums
-    ``|x|^2``."""
+Axis = int | tuple[int, ...] | Literal["torch"] | None
+"""``adaptive_grad_clip``'s unit layout: ``None`` (optax's default by rank), ``"torch"``
+(torch's ``(out, in, ...)`` weights: one unit per output), or the axes to reduce."""
+
+
+def _check_axis(axis: Any) -> Axis:
+    """``axis`` validated (a ``ValueError``/``TypeError`` naming it), a list as a tuple."""
+    if axis is None:
+        return None
+    if isinstance(axis, str) and axis == "torch":
+        return "torch"
+    if isinstance(axis, str):
+        raise ValueError(f'axis must be None, "torch", an int or a tuple of ints, got {axis!r}')
+    items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
+            raise _validate.HyperparameterTypeError(
+                f'axis must be None, "torch", an int or a tuple of ints, got {axis!r}'
+            )
+    ints = tuple(int(a) for a in items)
+    if len(set(ints)) != len(ints):
+        raise ValueError(f"axis must not repeat an axis, got {axis!r}")
+    return ints if isinstance(axis, (tuple, list)) else ints[0]
+
+
+def _reduced(axis: Axis, shape: torch.Size) -> tuple[int, ...]:
+    """The axes ``unitwise_norm`` sums over for a tensor of ``shape``."""
+    rank = len(shape)
+    if isinstance(axis, str):  # "torch"
+        return tuple(range(rank)) if rank <= 1 else tuple(range(1, rank))
+    if axis is not None:
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)  # type: ignore[arg-type]
+        out = []
+        for a in axes:
+            if not -rank <= a < rank:
+                raise ValueError(
+                    f"axis {a} is out of range for a tensor of shape {tuple(shape)} (rank {rank})"
+                )
+            out.append(a % rank)
+        if len(set(out)) != len(out):
+            raise ValueError(f"axis {axis!r} names an axis twice for rank {rank}")
+        return tuple(out)
+    if sum(1 for n in shape if n != 1) <= 1:  # scalars and vectors (after squeezing)
+        return tuple(range(rank))
+    if rank in (2, 3):
+        return (0,)
+    if rank == 4:
+        return (0, 1, 2)
+    if rank == 5:
+        return (0, 1, 2, 3)
+    raise ValueError(
+        f"unitwise_norm: expected a tensor of rank <= 5, got shape {tuple(shape)}: pass axis "
+        '(e.g. axis="torch") for other ranks'
+    )
+
+
+def unitwise_norm(x: Tensor, axis: Axis = None) -> Tensor:
+    """L2 norm per unit, broadcast to ``x.shape``; complex ``x`` sums ``|x|^2``.
+
+    A unit is what is left when the reduced axes are summed over:
+
+    * ``axis=None``: optax's (JAX's ``(in, out)``) layout by rank: scalars and vectors (also
+      after squeezing size-1 axes) whole, 2-D and 3-D over axis 0, 4-D over axes 0-2, 5-D over
+      axes 0-3; other ranks need ``axis``;
+    * ``axis="torch"``: torch's ``(out, in, *kernel)`` layout, one unit per output: rank >= 2
+      over axes ``1 .. ndim-1`` (a ``Linear`` weight's rows, a ``Conv`` weight's output
+      channels), scalars and vectors whole (a bias is one unit);
+    * an int or a tuple of ints: those axes (negative ones count from the end; ``()`` makes
+      every element its own unit), as optax's ``axis``.
+    """
+    dims = _reduced(_check_axis(axis), x.shape)
     x2 = torch.real(x * x.conj()) if x.is_complex() else x * x  # |x|^2 for complex x
-    if x.squeeze().dim() <= 1:
-        sq = torch.sum(x2, dim=tuple(range(x.dim())), keepdim=True)
-    elif x.dim() in (2, 3):
-        sq = torch.sum(x2, dim=0, keepdim=True)
-    elif x.dim() == 4:
-        sq = torch.sum(x2, dim=(0, 1, 2), keepdim=True)
-    elif x.dim() == 5:
-        sq = torch.sum(x2, dim=(0, 1, 2, 3), keepdim=True)
-    else:
-        raise ValueError(f"unitwise_norm: expected a tensor of rank <= 5, got shape {x.shape}")
+    sq = torch.sum(x2, dim=dims, keepdim=True) if dims else x2  # (dim=() would sum everything)
     return torch.broadcast_to(torch.sqrt(sq), x.shape)
 
 
 def adaptive_grad_clip(
-    clipping: float | Tensor, eps: float | Tensor = 1e-3
+    clipping: float | Tensor, eps: float | Tensor = 1e-3, axis: Axis = None
 ) -> GradientTransformation:
     """Unit-wise adaptive gradient clipping (Brock et al. 2021, NFNets).
 
     ``max = clipping * max(||p||_unit, eps)``; ``u -> u`` where ``||u||_unit < max``, else
-    ``u * max / max(||u||_unit, 1e-6)``. Norms follow optax's (JAX) axis layout; needs ``params``.
+    ``u * max / max(||u||_unit, 1e-6)``. Needs ``params``. The units are those of
+    :func:`unitwise_norm`: by default optax's (JAX) layout, where a 2-D weight ``(in, out)``
+    has one unit per column (norms over axis 0); ``axis="torch"`` fits torch's ``(out, in)``
+    weights (norms over axes ``1 .. ndim-1``: one unit per output row or output channel, as
+    timm's and the NFNet paper's PyTorch code); an int or tuple of ints reduces those axes
+    (optax's ``axis``). An axis out of range for a leaf is a ``ValueError`` naming the leaf.
     """
     _validate.non_negative("clipping", clipping)
     _validate.non_negative("eps", eps)
+    axis = _check_axis(axis)
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         if params is None:
@@ -91,9 +158,14 @@ def adaptive_grad_clip(
         g, at = tree.split(updates)
         p = at.take(params, "params")
         out = []
-        for gi, pi in zip(g, p, strict=True):
-            g_norm = unitwise_norm(gi)
-            max_norm = clipping * torch.clamp(unitwise_norm(pi), min=eps)
+        for i, gi, pi in zip(at.index, g, p, strict=True):
+            try:
+                g_norm = unitwise_norm(gi, axis)
+            except ValueError as err:
+                raise ValueError(
+                    f"adaptive_grad_clip: the updates at {at.path(i)}: {err}"
+                ) from None
+            max_norm = clipping * torch.clamp(unitwise_norm(pi, axis), min=eps)
             clipped = gi * (max_norm / torch.clamp(g_norm, min=1e-6))
             out.append(torch.where(g_norm < max_norm, gi, clipped).to(gi.dtype))
         return at.updates(out)
