@@ -33,9 +33,14 @@ from functional_opt.packed import Packed, pack
 from functional_opt.schedules import (
     constant_schedule,
     cosine_decay_schedule,
+    exponential_decay,
     join_schedules,
     linear_schedule,
+    piecewise_constant_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
     warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
 )
 from functional_opt.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
 from functional_opt.transforms.adagrad import ScaleByRssState, scale_by_rss
@@ -115,6 +120,7 @@ __all__ = [
     "dreamerv3_metrics",
     "dreamerv3_schedule",
     "ema",
+    "exponential_decay",
     "identity",
     "inject_hyperparams",
     "join_schedules",
@@ -130,6 +136,8 @@ __all__ = [
     "pack",
     "packed",
     "partition",
+    "piecewise_constant_schedule",
+    "polynomial_schedule",
     "radam",
     "rmsprop",
     "safe_increment",
@@ -146,9 +154,11 @@ __all__ = [
     "scale_by_trust_ratio",
     "schedules",
     "sgd",
+    "sgdr_schedule",
     "state_from_dict",
     "state_to_dict",
     "trace",
     "tree",
     "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
 ]
