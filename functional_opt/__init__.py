@@ -53,6 +53,14 @@ from functional_opt.transforms.clipping import (
 )
 from functional_opt.transforms.combinators import MaskedState, PartitionState, masked, partition
 from functional_opt.transforms.finite import ApplyIfFiniteState, apply_if_finite
+from functional_opt.transforms.guards import (
+    ZeroNansState,
+    freeze,
+    set_to_zero,
+    skip_large_updates,
+    skip_not_finite,
+    zero_nans,
+)
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_opt.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_opt.transforms.moments import (
@@ -69,6 +77,17 @@ from functional_opt.transforms.moments import (
     scale_by_stddev,
     trace,
 )
+from functional_opt.transforms.monitoring import (
+    MonitorState,
+    SnapshotState,
+    measure_with_ema,
+    measurements,
+    monitor,
+    snapshot,
+    update_norm,
+    update_not_finite,
+    update_rms,
+)
 from functional_opt.transforms.radam import scale_by_radam
 from functional_opt.transforms.scaling import (
     ScaleByScheduleState,
@@ -76,6 +95,7 @@ from functional_opt.transforms.scaling import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from functional_opt.transforms.target import incremental_update, periodic_update
 from functional_opt.transforms.trust_ratio import scale_by_trust_ratio
 from functional_opt.transforms.weight_decay import add_decayed_weights
 
@@ -88,6 +108,7 @@ __all__ = [
     "GradientTransformation",
     "InjectHyperparamsState",
     "MaskedState",
+    "MonitorState",
     "MultiSteps",
     "MultiStepsState",
     "Packed",
@@ -101,7 +122,9 @@ __all__ = [
     "ScaleByRmsWithCountState",
     "ScaleByRssState",
     "ScaleByScheduleState",
+    "SnapshotState",
     "TraceState",
+    "ZeroNansState",
     "adabelief",
     "adagrad",
     "adam",
@@ -121,7 +144,9 @@ __all__ = [
     "dreamerv3_schedule",
     "ema",
     "exponential_decay",
+    "freeze",
     "identity",
+    "incremental_update",
     "inject_hyperparams",
     "join_schedules",
     "lamb",
@@ -129,13 +154,17 @@ __all__ = [
     "lion",
     "loss_scale",
     "masked",
+    "measure_with_ema",
+    "measurements",
     "metrics",
+    "monitor",
     "multi_steps",
     "nadam",
     "named_chain",
     "pack",
     "packed",
     "partition",
+    "periodic_update",
     "piecewise_constant_schedule",
     "polynomial_schedule",
     "radam",
@@ -153,12 +182,20 @@ __all__ = [
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "schedules",
+    "set_to_zero",
     "sgd",
     "sgdr_schedule",
+    "skip_large_updates",
+    "skip_not_finite",
+    "snapshot",
     "state_from_dict",
     "state_to_dict",
     "trace",
     "tree",
+    "update_norm",
+    "update_not_finite",
+    "update_rms",
     "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule",
+    "zero_nans",
 ]
