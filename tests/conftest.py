@@ -53,13 +53,10 @@ capability a cache directory of its own.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
-import optree
 import pytest
 
 _CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
@@ -96,194 +93,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # --- the tolerance rule -------------------------------------------------------------------
-
-Ops = float | Mapping[torch.dtype, float]
-
-
-def eps(dtype: torch.dtype) -> float:
-    """``torch.finfo(dtype).eps``: twice the unit roundoff of ``dtype``."""
-    return float(torch.finfo(dtype).eps)
-
-
-def rounding_bound(dtype: torch.dtype, ops: Ops, scale: float = 1.0) -> float:
-    """The rule's bound for one magnitude: ``sum(ops * eps) * scale`` plus the underflow term.
-    ``ops`` counts roundings to ``dtype``, or maps dtypes to their counts."""
-    counts = {dtype: float(ops)} if not isinstance(ops, Mapping) else dict(ops)
-    if any(n < 0 or not math.isfinite(n) for n in counts.values()):
-        raise ValueError(f"ops must be finite counts >= 0, got {ops!r}")
-    rel = sum(n * eps(dt) for dt, n in counts.items())
-    floor = sum(n * eps(dt) * float(torch.finfo(dt).tiny) for dt, n in counts.items())
-    return rel * scale + floor
-
-
-def _leaves(tree: Any) -> tuple[list[Any], Any]:
-    return optree.tree_flatten(tree, none_is_leaf=True)
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach()
-    return x.to(torch.complex128) if x.is_complex() else x.to(torch.float64)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers (NaNs mapped to one pattern)."""
-    x = x.detach()
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if not x.is_floating_point():
-        return x
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    canonical = torch.where(x.isnan(), torch.full_like(x, float("nan")), x)
-    return canonical.contiguous().view(ints)
-
-
-def assert_bitwise(actual: Any, expected: Any, msg: str = "") -> None:
-    """Rule 1: the same structure, ``None`` where ``expected`` has ``None``, and tensors of the
-    same dtype, shape and bits (signed zeros told apart; NaNs in the same places)."""
-    a_leaves, a_spec = _leaves(actual)
-    e_leaves, e_spec = _leaves(expected)
-    where = f"{msg}: " if msg else ""
-    assert a_spec == e_spec, f"{where}structure {a_spec} != {e_spec}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
-        if not isinstance(e, torch.Tensor):
-            assert type(a) is type(e) and a == e, f"{where}leaf {i}: {a!r} != {e!r}"
-            continue
-        assert isinstance(a, torch.Tensor), f"{where}leaf {i} is {a!r}, not a tensor"
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), (
-            f"{where}leaf {i}: {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
-        )
-        a_bits, e_bits = _bits(a), _bits(e)
-        if not torch.equal(a_bits, e_bits):
-            diff = (a_bits != e_bits).nonzero()
-            first = tuple(diff[0].tolist())
-            pos = first[: a.dim()]
-            raise AssertionError(
-                f"{where}leaf {i}: {len(diff)} of {a_bits.numel()} values differ in their bits; "
-                f"first at {pos}: {a.detach()[pos].item()!r} vs {e.detach()[pos].item()!r}"
-            )
-
-
-def _scale_for(e: torch.Tensor, scale: Any) -> torch.Tensor:
-    """The magnitudes the bound is relative to: never below the expected values' own, and
-    where a given magnitude is not finite (a step whose values are not finite in a magnitude
-    run), the leaf's largest finite magnitude (never a NaN bound, which nothing exceeds)."""
-    finite = e[torch.isfinite(e)].abs()
-    largest = finite.max() if finite.numel() else torch.zeros((), dtype=torch.float64)
-    if scale is None:  # norm-wise: the largest finite magnitude in the expected tensor
-        return largest
-    if isinstance(scale, torch.Tensor):
-        s = _wide(scale).abs().to(torch.float64)
-    else:
-        s = torch.tensor(abs(float(scale)), dtype=torch.float64)
-    if not torch.isfinite(s).all():
-        s_finite = s[torch.isfinite(s)]
-        if s_finite.numel():
-            largest = torch.maximum(largest, s_finite.max())
-        s = torch.where(torch.isfinite(s), s, largest)
-    return torch.maximum(s, e.abs().nan_to_num(0.0, 0.0, 0.0))
-
-
-def assert_close_rounding(
-    actual: Any,
-    expected: Any,
-    *,
-    dtype: torch.dtype,
-    ops: Ops | Callable[[torch.Tensor], Ops],
-    scale: Any = None,
-    check_dtype: bool = True,
-    msg: str = "",
-) -> None:
-    """Rule 2: ``|actual - expected| <= ops * eps(dtype) * scale`` per element (see the module
-    docstring for ``ops`` and ``scale``), compared in float64. ``actual``/``expected`` are
-    tensors or trees of them (``None`` leaves must match); ``ops`` is a count, a mapping of
-    dtypes to counts, or a function of the expected tensor returning one (a count that depends
-    on the leaf's size); ``scale`` is ``None`` (per tensor, its largest expected magnitude), a
-    number, a tensor broadcasting against the values, or a tree of those matching
-    ``expected``. NaNs must be in the same places and infinities equal. ``check_dtype=False``
-    allows a reference in another dtype (a float64 oracle)."""
-    a_leaves, a_spec = _leaves(actual)
-    e_leaves, e_spec = _leaves(expected)
-    where = f"{msg}: " if msg else ""
-    assert a_spec == e_spec, f"{where}structure {a_spec} != {e_spec}"
-    if isinstance(scale, torch.Tensor) or scale is None or isinstance(scale, (int, float)):
-        scales = [scale] * len(e_leaves)
-    else:
-        scales, s_spec = _leaves(scale)
-        assert s_spec == e_spec, f"{where}scale's structure {s_spec} != {e_spec}"
-    for i, (a, e, s) in enumerate(zip(a_leaves, e_leaves, scales, strict=True)):
-        at = f"{where}leaf {i}" if len(e_leaves) > 1 else where.rstrip(": ") or "value"
-        if e is None:
-            assert a is None, f"{at}: expected None, got {a!r}"
-            continue
-        assert isinstance(a, torch.Tensor), f"{at}: {a!r} is not a tensor"
-        assert a.shape == e.shape, f"{at}: shape {list(a.shape)} != {list(e.shape)}"
-        if check_dtype:
-            assert a.dtype == e.dtype, f"{at}: dtype {a.dtype} != {e.dtype}"
-        x, y = _wide(a), _wide(e)
-        assert torch.equal(x.isnan(), y.isnan()), f"{at}: NaNs in other places"
-        inf = y.isinf()
-        assert torch.equal(x[inf], y[inf]) and not x[~inf].isinf().any(), f"{at}: infinities differ"
-        ok = torch.isfinite(y)
-        leaf_ops = ops(e) if callable(ops) else ops
-        bound = rounding_bound(dtype, leaf_ops, 1.0)
-        floor = rounding_bound(dtype, leaf_ops, 0.0)
-        limit = (bound - floor) * _scale_for(y, s) + floor
-        err = (x - y).abs()
-        limit = torch.broadcast_to(limit, err.shape)
-        bad = ok & (err > limit)
-        if bad.any():
-            ratio = torch.where(ok, err / limit.clamp_min(floor or 1e-300), 0.0)
-            k = int(ratio.reshape(-1).argmax())
-            pos = tuple(torch.unravel_index(torch.tensor(k), err.shape)) if err.dim() else ()
-            pos = tuple(int(p) for p in pos)
-            raise AssertionError(
-                f"{at}: {int(bad.sum())} of {err.numel()} values outside the rounding bound "
-                f"(dtype={dtype}, ops={leaf_ops}); worst at {pos}: {x[pos].item()!r} vs "
-                f"{y[pos].item()!r}, |diff| {err[pos].item():.3g} > bound "
-                f"{limit[pos].item():.3g} ({ratio[pos].item():.3g}x)"
-            )
-
-
-def abs_run(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn`` run in float64 on the absolute values of its tensor arguments (trees allowed):
-    for math built from sums and products with nonnegative coefficients, plus divisions and
-    square roots of positive values, the result is the magnitude of the terms each output is
-    computed from, the ``scale`` of the rounding rule where results may cancel."""
-
-    def wide_abs(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().to(torch.float64).abs()
-        return x
-
-    return fn(*optree.tree_map(wide_abs, args, none_is_leaf=True))
-
-
-def _abs64(tree: Any) -> Any:
-    def one(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().to(torch.float64).abs()
-        return x
-
-    return optree.tree_map(one, tree)
-
-
-class MagnitudeRun:
-    """A transform run alongside a test in float64 on the absolute values of its gradients and
-    params: its updates and state are the magnitudes of the terms the compared values are sums
-    of (the rule's ``scale`` where moments average gradients of both signs). The transform must
-    be built from sums and products with nonnegative coefficients, divisions and square roots
-    (every transform here is, up to the signs of its learning rates)."""
-
-    def __init__(self, tx: Any, params: Any) -> None:
-        self.tx = tx
-        self.state = tx.init(_abs64(params))
-
-    def update(self, updates: Any, params: Any = None) -> tuple[Any, Any]:
-        """The magnitudes of the next update and state (absolute values, float64)."""
-        wide_params = None if params is None else _abs64(params)
-        u, self.state = self.tx.update(_abs64(updates), self.state, wide_params)
-        return _abs64(u), _abs64(self.state)
-
+# (the helpers are functional_opt.testing's, public for users: one copy)
+from functional_opt.testing.tolerance import (  # noqa: E402, F401
+    MagnitudeRun,
+    Ops,
+    abs_run,
+    assert_bitwise,
+    assert_close_rounding,
+    eps,
+    rounding_bound,
+)
 
 DREAMERV3_ELEMENTWISE_OPS = 23
 """Roundings in the moments' dtype of one ``dreamerv3`` update of one element, per
