@@ -42,6 +42,7 @@ from functional_opt.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from functional_opt.torch_optim import FromTorchState, from_torch
 from functional_opt.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
 from functional_opt.transforms.adagrad import ScaleByRssState, scale_by_rss
 from functional_opt.transforms.belief import ScaleByBeliefState, scale_by_belief
@@ -105,6 +106,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "EmaState",
     "EmptyState",
+    "FromTorchState",
     "GradientTransformation",
     "InjectHyperparamsState",
     "MaskedState",
@@ -145,6 +147,7 @@ __all__ = [
     "ema",
     "exponential_decay",
     "freeze",
+    "from_torch",
     "identity",
     "incremental_update",
     "inject_hyperparams",
