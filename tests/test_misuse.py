@@ -236,7 +236,16 @@ REGISTRY: dict[str, tuple[Callable[..., Any], dict[str, Kind]]] = {
     "clip_by_global_norm": (fo.clip_by_global_norm, {"max_norm": F32_NORMAL}),
     "adaptive_grad_clip": (
         _with(fo.adaptive_grad_clip, clipping=0.1),
-        {"clipping": NON_NEG, "eps": NON_NEG},
+        {
+            "clipping": NON_NEG,
+            "eps": NON_NEG,
+            "axis": Kind(
+                st.sampled_from([None, "torch", 0, -1, (0,), (0, -1), [1, 0], ()]),
+                st.sampled_from(
+                    ["rows", "", 1.0, True, (0, 0), [0.5], torch.tensor(0), b"1", {"a": 1}]
+                ),
+            ),
+        },
     ),
     "clip_by_agc": (fo.clip_by_agc, {"clip": AGC, "pmin": POSITIVE}),
     "scale_by_rms": (
@@ -279,6 +288,10 @@ REGISTRY: dict[str, tuple[Callable[..., Any], dict[str, Kind]]] = {
                 counter_kind(1).good, counter_kind(1).bad.filter(lambda v: not callable(v))
             ),
             "use_grad_mean": BOOL,
+            "should_skip_update_fn": Kind(
+                st.sampled_from([None, fo.skip_not_finite]),
+                st.sampled_from([0.1, 1, "f", torch.tensor(0.1), (fo.skip_not_finite,)]),
+            ),
             "accumulator_dtype": DTYPE,
         },
     ),
@@ -336,6 +349,72 @@ REGISTRY: dict[str, tuple[Callable[..., Any], dict[str, Kind]]] = {
     "masked": (
         lambda **kw: fo.masked(mask=True, **{"inner": fo.sgd(0.1), **kw}),
         {"inner": TRANSFORM},
+    ),
+    "freeze": (
+        fo.freeze,
+        {
+            "mask": Kind(
+                st.booleans() | st.just({"w": True, "b": False}),
+                st.sampled_from([1, 0.5, "w", None, b"1", torch.tensor(True), {"w": 1}, [0.1]]),
+            )
+        },
+    ),
+    "incremental_update": (
+        lambda **kw: fo.incremental_update({"w": torch.ones(2)}, {"w": torch.zeros(2)}, **kw),
+        {
+            "step_size": Kind(
+                _floats(0.0, 1.0),
+                _bad(
+                    NON_FINITE,
+                    BEYOND_F32,
+                    _floats(1.0, exclude_min=True),
+                    _floats(hi=-1e-300),
+                    st.integers(2) | st.just(-1),
+                ),
+            )
+        },
+    ),
+    "periodic_update": (
+        lambda **kw: fo.periodic_update(
+            {"w": torch.ones(2)}, {"w": torch.zeros(2)}, **{"steps": 0, "update_period": 1, **kw}
+        ),
+        {
+            "steps": Kind(
+                st.integers(0, 2**63 - 1),
+                _bad(st.integers(max_value=-1), st.sampled_from([2**63, 10**400]), _floats()),
+            ),
+            "update_period": Kind(
+                st.integers(1, 2**63 - 1),
+                _bad(st.integers(max_value=0), st.sampled_from([2**63, 10**400]), _floats()),
+            ),
+        },
+    ),
+    "snapshot": (
+        _with(fo.snapshot, measure_name="n", measure=fo.update_norm),
+        {
+            "measure_name": Kind(st.text(min_size=1), st.sampled_from(["", None, 1, b"n", ("n",)])),
+            "measure": Kind(st.just(fo.update_norm), st.sampled_from([None, 0.1, "f"])),
+        },
+    ),
+    "monitor": (
+        fo.monitor,
+        {
+            "measures": Kind(
+                st.just({"n": fo.update_norm}),
+                st.sampled_from(
+                    [{}, [fo.update_norm], None, {"n": 1.0}, {1: fo.update_norm}, fo.update_norm]
+                ),
+            )
+        },
+    ),
+    "measure_with_ema": (
+        _with(fo.measure_with_ema, measure=fo.update_norm, decay=0.9),
+        {
+            "measure": Kind(st.just(fo.update_norm), st.sampled_from([None, 0.1, "f"])),
+            "decay": UNIT,
+            "debias": BOOL,
+            "accumulator_dtype": DTYPE,
+        },
     ),
     "StaticLossScale": (StaticLossScale, {"scale": F32_NORMAL}),
     "DynamicLossScale": (
