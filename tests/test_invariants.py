@@ -2,6 +2,9 @@
 gradient" (update ``None``, per-parameter state carried over, global counters advance, global
 norms ignore them), state dtypes are stable, checkpoints round-trip, counters saturate, and
 dtypes follow the contract (``apply_updates``, DreamerV3 with 16-bit params, ``MultiSteps``).
+
+The checks that hold for any transform are :mod:`functional_opt.testing`'s (the same ones users
+run on their own transforms), driven here over every case and hypothesis-drawn trees.
 """
 
 from __future__ import annotations
@@ -11,16 +14,21 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import pytest
 import torch
-from conftest import assert_bitwise, assert_close_rounding
+from conftest import assert_close_rounding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Problem, problems, tleaves, tmap
 
 import functional_opt as fo
 from functional_opt.loss_scale import DynamicLossScale, StaticLossScale
+from functional_opt.testing import (
+    check_checkpoint_round_trip,
+    check_dtype_policy,
+    check_none_gradients_keep_state,
+    check_purity,
+)
 
 SETTINGS = settings(max_examples=5, deadline=None)
 INT32_MAX = 2**31 - 1
@@ -94,32 +102,6 @@ CASES: dict[str, Callable[[], Any]] = {
 NAMES = sorted(CASES)
 
 
-def snapshot(tree: Any) -> list[tuple[Any, ...]]:
-    """(clone, dtype, version counter) of every tensor leaf, ``None`` kept."""
-    out: list[tuple[Any, ...]] = []
-    for x in optree.tree_leaves(tree, none_is_leaf=True, namespace=fo.tree.NAMESPACE):
-        if isinstance(x, torch.Tensor):
-            out.append((x.detach().clone(), x.dtype, x._version))
-        else:
-            out.append((x,))
-    return out
-
-
-def assert_unchanged(tree: Any, before: list[tuple[Any, ...]], what: str) -> None:
-    now = optree.tree_leaves(tree, none_is_leaf=True, namespace=fo.tree.NAMESPACE)
-    assert len(now) == len(before), what
-    for i, (x, old) in enumerate(zip(now, before, strict=True)):
-        if isinstance(x, torch.Tensor):
-            clone, dtype, version = old
-            assert x.dtype == dtype, f"{what}: leaf {i} changed dtype"
-            assert x._version == version, f"{what}: leaf {i} was written in place"
-            assert torch.equal(x, clone) or (x.isnan() == clone.isnan()).all(), (
-                f"{what}: leaf {i} changed value"
-            )
-        else:
-            assert x is old[0], f"{what}: leaf {i} replaced"
-
-
 def layout(state: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return {k: (v.shape, v.dtype) for k, v in fo.state_to_dict(state).items()}
 
@@ -128,103 +110,54 @@ def layout(state: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
 @SETTINGS
 @given(problem=problems(min_steps=4, max_steps=4))
 def test_inputs_never_mutated_and_state_layout_stable(name: str, problem: Problem) -> None:
+    """``init`` and ``update`` write into none of their inputs and repeat themselves bit for
+    bit; updates keep the gradients' structure, dtypes and shapes; the state its layout."""
     tx = CASES[name]()
-    params_before = snapshot(problem.params)
-    state = tx.init(problem.params)
-    assert_unchanged(problem.params, params_before, "params after init")
-    first = layout(state)
-    for t, g in enumerate(problem.grads):
-        before = (snapshot(g), snapshot(state), snapshot(problem.params))
-        updates, new_state = tx.update(g, state, problem.params)
-        assert_unchanged(g, before[0], f"updates at step {t}")
-        assert_unchanged(state, before[1], f"state at step {t}")
-        assert_unchanged(problem.params, before[2], f"params at step {t}")
-        assert layout(new_state) == first, f"state layout changed at step {t}"
-        assert optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(
-            g, none_is_leaf=True
-        )
-        for u, x in zip(tleaves(updates), tleaves(g), strict=True):
-            assert u.dtype == x.dtype and u.shape == x.shape
-        state = new_state
+    check_purity(tx, problem.params, problem.grads)
+    check_dtype_policy(tx, problem.params, problem.grads, dtypes=[None])
 
 
 def with_frozen(problem: Problem, gen: torch.Generator, shape: tuple[int, ...]) -> Any:
-    return {
-        "frozen": torch.randn(shape, generator=gen, dtype=torch.float64),
-        "rest": problem.params,
-    }
-
-
-def frozen_keys(d: dict[str, torch.Tensor]) -> set[str]:
-    return {k for k in d if "frozen" in k.split(".")}
-
-
-@pytest.mark.parametrize("name", NAMES)
-@SETTINGS
-@given(problem=problems(min_steps=4, max_steps=4), shape=st.sampled_from([(), (3,), (2, 3)]))
-def test_none_leaf_is_like_an_absent_parameter(
-    name: str, problem: Problem, shape: tuple[int, ...]
-) -> None:
-    """A parameter whose update is always ``None`` behaves as if it were not there: the other
-    updates and state entries (global counters and global norms included) match a run without
-    it, its update is ``None`` and its own state stays at its initial value."""
-    tx = CASES[name]()
-    gen = torch.Generator().manual_seed(problem.seed)
-    full_params = with_frozen(problem, gen, shape)
-    reduced_params = {"rest": problem.params}
-    full = tx.init(full_params)
-    reduced = tx.init(reduced_params)
-    initial = fo.state_to_dict(full)
-    for t, g in enumerate(problem.grads):
-        u_full, full = tx.update({"frozen": None, "rest": g}, full, full_params)
-        u_red, reduced = tx.update({"rest": g}, reduced, reduced_params)
-        assert u_full["frozen"] is None, f"step {t}"
-        # the same ops on the same values: bit for bit
-        assert_bitwise(u_full["rest"], u_red["rest"], f"step {t}")
-        d_full, d_red = fo.state_to_dict(full), fo.state_to_dict(reduced)
-        assert set(d_full) - frozen_keys(d_full) == set(d_red)
-        for k, v in d_red.items():
-            assert_bitwise(d_full[k], v, f"{k} at step {t}")
-        for k in frozen_keys(d_full):
-            assert torch.equal(d_full[k], initial[k]), f"{k} changed at step {t}"
+    """The problem's params and gradients with a parameter ``frozen`` (tensor leaf 0) added."""
+    frozen = torch.randn(shape, generator=gen, dtype=torch.float64)
+    params = {"frozen": frozen, "rest": problem.params}
+    grads = [
+        {"frozen": torch.randn(shape, generator=gen, dtype=torch.float64), "rest": g}
+        for g in problem.grads
+    ]
+    return params, grads
 
 
 @pytest.mark.parametrize("name", NAMES)
 @SETTINGS
-@given(problem=problems(min_steps=5, max_steps=5), shape=st.sampled_from([(), (4,), (2, 2)]))
-def test_none_leaf_carries_state_and_counters_advance(
+@given(problem=problems(min_steps=5, max_steps=5), shape=st.sampled_from([(), (3,), (2, 3)]))
+def test_none_leaf_is_an_absent_parameter_and_carries_its_state(
     name: str, problem: Problem, shape: tuple[int, ...]
 ) -> None:
-    """A parameter that had gradients and then gets ``None``: its state entries keep their last
-    values, and the global counters advance exactly as when every update is present."""
+    """A parameter whose update is always ``None`` behaves as if it were not there (the other
+    updates and state entries, global counters and norms included, match a run without it bit
+    for bit; its update is ``None`` and its own state stays at its initial value); one that
+    had a gradient and then gets ``None`` keeps its state, while counters advance as when
+    every update is present."""
     tx = CASES[name]()
-    gen = torch.Generator().manual_seed(problem.seed)
-    params = with_frozen(problem, gen, shape)
-    frozen_grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in problem.grads]
-    sparse = dense = tx.init(params)
-    for t, g in enumerate(problem.grads):
-        present = t < 2
-        before = fo.state_to_dict(sparse)
-        u, sparse = tx.update(
-            {"frozen": frozen_grads[t] if present else None, "rest": g}, sparse, params
-        )
-        _, dense = tx.update({"frozen": frozen_grads[t], "rest": g}, dense, params)
-        after, d_dense = fo.state_to_dict(sparse), fo.state_to_dict(dense)
-        if not present and name == "multi_steps" and t == 2:
-            # The end of MultiSteps' first window (k = 3): the window's gradient is emitted at
-            # the end of that window, also for a leaf without one on this mini-step, and never
-            # leaks into the next window (tests/test_misuse.py checks the values).
-            assert u["frozen"] is not None
-            for k in frozen_keys(after):
-                if "acc_grads" in k:
-                    assert not bool(after[k].any()), f"{k} not cleared at step {t}"
-        elif not present:
-            assert u["frozen"] is None
-            for k in frozen_keys(after):
-                assert torch.equal(after[k], before[k]), f"{k} changed at step {t}"
-        for k, v in after.items():
-            if not v.is_floating_point():
-                assert torch.equal(v, d_dense[k]), f"counter {k} at step {t}"
+    params, grads = with_frozen(problem, torch.Generator().manual_seed(problem.seed), shape)
+    # (MultiSteps' running mean counts a None as a zero gradient: its accumulator changes)
+    check_none_gradients_keep_state(tx, params, grads, leaves=[0], accumulators=["acc_grads"])
+
+
+def test_multi_steps_emits_a_window_gradient_for_a_leaf_without_one_at_its_end() -> None:
+    """The end of MultiSteps' window: the window's gradient is emitted also for a leaf without
+    one on this mini-step, and its accumulator is cleared (never leaks into the next window;
+    tests/test_misuse.py checks the values)."""
+    tx = CASES["multi_steps"]()  # k = 3
+    params = {"frozen": torch.ones(2, dtype=torch.float64), "w": torch.ones(3, dtype=torch.float64)}
+    state = tx.init(params)
+    for t in range(3):
+        g = torch.full((2,), float(t + 1), dtype=torch.float64)
+        u, state = tx.update({"frozen": g if t == 0 else None, "w": params["w"]}, state, params)
+    assert u["frozen"] is not None
+    acc = {k: v for k, v in fo.state_to_dict(state).items() if "acc_grads" in k and "frozen" in k}
+    assert acc and not any(bool(v.any()) for v in acc.values())
 
 
 def test_global_norm_ignores_none_leaves() -> None:
@@ -242,22 +175,9 @@ def test_global_norm_ignores_none_leaves() -> None:
 @SETTINGS
 @given(problem=problems(min_steps=6, max_steps=6))
 def test_checkpoint_round_trip(name: str, problem: Problem) -> None:
-    tx = CASES[name]()
-    state = tx.init(problem.params)
-    for g in problem.grads[:3]:
-        _, state = tx.update(g, state, problem.params)
-    buffer = io.BytesIO()
-    torch.save(fo.state_to_dict(state), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    restored = fo.state_from_dict(tx.init(problem.params), loaded)
-    assert layout(restored) == layout(state)
-    for t, g in enumerate(problem.grads[3:]):
-        u, state = tx.update(g, state, problem.params)
-        u2, restored = tx.update(g, restored, problem.params)
-        assert_bitwise(u2, u, f"step {t}")
-    for k, v in fo.state_to_dict(state).items():
-        assert torch.equal(fo.state_to_dict(restored)[k], v), k
+    """Saved after three updates, loaded with ``weights_only=True``: the same state and the
+    same next updates, bit for bit."""
+    check_checkpoint_round_trip(CASES[name](), problem.params, problem.grads)
 
 
 def test_checkpoint_round_trip_with_loss_scales() -> None:
@@ -341,17 +261,8 @@ def test_updates_keep_the_incoming_dtype(name: str, dtype: torch.dtype) -> None:
     state keeps its dtypes from step to step."""
     gen = torch.Generator().manual_seed(3)
     shapes = {"s": (), "v": (3,), "m": (2, 3)}
-    params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-    tx = CASES[name]()
-    state = tx.init(params)
-    first = layout(state)
-    for t in range(4):
-        grads = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-        updates, state = tx.update(grads, state, params)
-        for k, u in updates.items():
-            assert u.dtype == dtype, f"{k} at step {t}: {u.dtype}"
-        assert layout(state) == first, f"step {t}"
-        params = fo.apply_updates(params, updates)
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    check_dtype_policy(CASES[name](), params, steps=4, seed=3, dtypes=[dtype])
 
 
 @pytest.mark.parametrize("param_dtype", FLOATS)
