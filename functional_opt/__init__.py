@@ -4,7 +4,14 @@ A transform is ``init(params) -> state`` and ``update(updates, state, params=Non
 (updates, state)`` over pytrees of tensors; ``apply_updates(params, updates)`` adds the updates.
 """
 
-from functional_opt import loss_scale, metrics, packed, schedules, tree
+from functional_opt import (
+    _tensordict,  # noqa: F401  (TensorDict as a tree node, once imported)
+    loss_scale,
+    metrics,
+    packed,
+    schedules,
+    tree,
+)
 from functional_opt.aliases import (
     adabelief,
     adagrad,
