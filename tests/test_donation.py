@@ -11,6 +11,7 @@ from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreame
 
 import functional_opt as fo
 from functional_opt._dreamerv3_fused import KERNEL_MIN
+from functional_opt.testing import check_donation
 
 
 def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:
@@ -63,30 +64,13 @@ CASES += [(name, True) for name in sorted(TRANSFORMS) if "dreamerv3" in name]
 def test_donated_updates_are_identical(
     name: str, big: bool, dtype: torch.dtype, flag: bool | str
 ) -> None:
-    tx = TRANSFORMS[name]()
-    params = _tree(0, dtype, big)
-    pure_state = tx.init(params)
-    donated_state = tx.init(params)
-    for step in range(6):
-        grads = _tree(step + 1, dtype, big)
-        if name == "apply_if_finite" and step == 2:
-            grads["w"] = grads["w"].clone()
-            grads["w"][0, 0] = float("nan")
-        donated = {"w": grads["w"].clone(), "b": [grads["b"][0].clone()]}  # type: ignore[index]
-        kept = [x.clone() for x in _leaves(grads)]
-        kept_params = [x.clone() for x in _leaves(params)]
-        u1, pure_state = tx.update(grads, pure_state, params)
-        assert_bitwise(_leaves(grads), kept, f"{name}: pure update wrote its gradients")
-        assert_bitwise(_leaves(params), kept_params, f"{name}: pure update wrote the params")
-        u2, donated_state = tx.update(donated, donated_state, params, donate=flag)
-        if flag == "state":  # the updates were not donated: never written
-            assert_bitwise(_leaves(donated), kept, f"{name}: donate='state' wrote the gradients")
-        assert_bitwise(_leaves(params), kept_params, f"{name}: donated update wrote the params")
-        assert_bitwise(_leaves(u2), _leaves(u1), f"{name}: updates")
-        assert_bitwise(_leaves(donated_state), _leaves(pure_state), f"{name}: states")
-        new_params = fo.apply_updates(params, u1)
-        assert_bitwise(_leaves(params), kept_params, f"{name}: apply_updates wrote the params")
-        params = new_params
+    # functional_opt.testing's check: the same bits as the pure update, params never written,
+    # nor the gradients with donate="state" (nor anything by the pure update); six steps, the
+    # params moving by the updates
+    grads = [_tree(step + 1, dtype, big) for step in range(6)]
+    if name == "apply_if_finite":
+        grads[2]["w"][0, 0] = float("nan")  # type: ignore[index]
+    check_donation(TRANSFORMS[name](), _tree(0, dtype, big), grads, flags=[flag])
 
 
 @pytest.mark.parametrize("name", ["scale_by_rms", "scale_by_adam", "trace", "ema", "dreamerv3"])

@@ -108,22 +108,22 @@ def _snapshot(value: PyTree) -> list[tuple[Any, ...]]:
 
 def _unchanged(check: str, value: PyTree, before: list[tuple[Any, ...]], what: str) -> None:
     now = tree.leaves(value)
-    names = state_paths(value)
     if len(now) != len(before):
         raise _fail(check, f"{what} changed its structure")
-    for name, x, old in zip(names, now, before, strict=True):
+    for i, (x, old) in enumerate(zip(now, before, strict=True)):
         if isinstance(x, Tensor):
             clone, dtype, version = old
             if x.dtype != dtype:
-                raise _fail(check, f"{what} changed dtype at leaf {name}")
+                raise _fail(check, f"{what} changed dtype at leaf {state_paths(value)[i]}")
             if x._version != version:
-                raise _fail(check, f"{what} was written in place at leaf {name}")
+                raise _fail(check, f"{what} was written in place at leaf {state_paths(value)[i]}")
             try:
                 assert_bitwise(x, clone)
             except AssertionError as e:
-                raise _fail(check, f"{what} changed value at leaf {name}: {e}") from None
+                leaf = state_paths(value)[i]
+                raise _fail(check, f"{what} changed value at leaf {leaf}: {e}") from None
         elif x is not old[0]:
-            raise _fail(check, f"{what} replaced leaf {name}")
+            raise _fail(check, f"{what} replaced leaf {state_paths(value)[i]}")
 
 
 def _layout(state: PyTree) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -250,18 +250,19 @@ def check_purity(
 
 def _no_aliasing(check: str, out: tuple[PyTree, PyTree], step: int) -> None:
     updates, state = out
-    owners: dict[int, str] = {}
-    for name, x in zip(state_paths(state), tree.leaves(state), strict=True):
+    owners: dict[int, int] = {}
+    for i, x in enumerate(tree.leaves(state)):
         if isinstance(x, Tensor) and x.numel():
-            owners[x.untyped_storage().data_ptr()] = name
-    for name, u in zip(state_paths(updates), tree.leaves(updates), strict=True):
+            owners[x.untyped_storage().data_ptr()] = i
+    for j, u in enumerate(tree.leaves(updates)):
         if isinstance(u, Tensor) and u.numel():
             shared = owners.get(u.untyped_storage().data_ptr())
             if shared is not None:
                 raise _fail(
                     check,
-                    f"the update at leaf {name} shares memory with the state entry {shared} at "
-                    f"step {step}: editing the updates in place would change the state",
+                    f"the update at leaf {state_paths(updates)[j]} shares memory with the state "
+                    f"entry {state_paths(state)[shared]} at step {step}: editing the updates in "
+                    "place would change the state",
                 )
 
 
@@ -486,10 +487,12 @@ def check_donation(
     steps: int = 3,
     seed: int = 0,
     flags: Sequence[bool | str] = (True, "state"),
+    apply: bool = True,
 ) -> None:
     """``update(..., donate=flag)`` gives the pure update's updates and state bit for bit (the
     same kernels on the same inputs), never writes into the params, and with
-    ``donate="state"`` never writes into the gradients; the pure update writes into neither."""
+    ``donate="state"`` never writes into the gradients; the pure update writes into neither.
+    ``apply``: the params move by the pure updates after each step (``apply_updates``)."""
     name = "check_donation"
     accepted = extra_keywords(tx)
     if accepted is not None and DONATE not in accepted:
@@ -499,25 +502,28 @@ def check_donation(
         )
     stream = _stream(params, grads, steps, seed)
     for flag in flags:
+        p = params
         with _named(name, "init"):
-            pure, donated = tx.init(params), tx.init(params)
+            pure, donated = tx.init(p), tx.init(p)
         for t, g in enumerate(stream):
             at = f"donate={flag!r} at step {t}"
             given = rebuild(g, [x.clone() if isinstance(x, Tensor) else x for x in tree.leaves(g)])
-            kept_g, kept_given, kept_p = _snapshot(g), _snapshot(given), _snapshot(params)
+            kept_g, kept_given, kept_p = _snapshot(g), _snapshot(given), _snapshot(p)
             with _named(name, f"the pure update at step {t}"):
-                u1, pure = tx.update(g, pure, params)
+                u1, pure = tx.update(g, pure, p)
             _unchanged(name, g, kept_g, f"the pure update at step {t} wrote into its gradients:")
-            _unchanged(name, params, kept_p, f"the pure update at step {t} wrote into the params:")
+            _unchanged(name, p, kept_p, f"the pure update at step {t} wrote into the params:")
             with _named(name, f"the update with {at}"):
-                u2, donated = tx.update(given, donated, params, **{DONATE: flag})
-            _unchanged(name, params, kept_p, f"the update with {at} wrote into the params:")
+                u2, donated = tx.update(given, donated, p, **{DONATE: flag})
+            _unchanged(name, p, kept_p, f"the update with {at} wrote into the params:")
             if flag != True:  # noqa: E712  (only True donates the gradients)
                 _unchanged(
                     name, given, kept_given, f"the update with {at} wrote into the gradients:"
                 )
             assert_bitwise(u2, u1, f"{name}: updates with {at} vs pure")
             assert_bitwise(donated, pure, f"{name}: state with {at} vs pure")
+            if apply:
+                p = apply_updates(p, u1)
 
 
 def check_compile(
@@ -780,6 +786,3 @@ def check_transform(
             check(tx, params, stream if len(stream) >= 2 else None, steps=max(2, steps), seed=seed)
         else:
             check(tx, params, stream)
-
-
-_ = apply_updates  # (re-exported for transform authors' loops in the docs)

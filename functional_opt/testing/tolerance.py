@@ -79,11 +79,25 @@ def rounding_bound(dtype: torch.dtype, ops: Ops, scale: float = 1.0) -> float:
     return rel * scale + floor
 
 
-def _flat(value: Any) -> tuple[list[Any], optree.PyTreeSpec, list[str]]:
-    """Leaves (``None`` included; through packed trees and the library's node types), the
-    spec and each leaf's dotted path."""
-    leaves, spec = tree.flatten(value)
-    return leaves, spec, state_paths(value)
+class _Names:
+    """The dotted paths of a tree's leaves, computed when a message needs one."""
+
+    __slots__ = ("_names", "_value", "where")
+
+    def __init__(self, value: Any, where: str) -> None:
+        self._value, self.where = value, where
+        self._names: list[str] | None = None
+
+    def __call__(self, i: int) -> str:
+        if self._names is None:
+            self._names = state_paths(self._value)
+        return f"{self.where}leaf {self._names[i]}"
+
+
+def _flat(value: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves (``None`` included; through packed trees and the library's node types) and the
+    spec."""
+    return tree.flatten(value)
 
 
 def _wide(x: Tensor) -> Tensor:
@@ -116,12 +130,16 @@ def assert_bitwise(actual: Any, expected: Any, msg: str = "") -> None:
     same dtype, shape and bits (signed zeros told apart; NaNs in the same places). Other
     leaves must be equal and of the same type. ``msg`` prefixes the failure message, which
     names the leaf."""
-    a_leaves, a_spec, _ = _flat(actual)
-    e_leaves, e_spec, names = _flat(expected)
+    a_leaves, a_spec = _flat(actual)
+    e_leaves, e_spec = _flat(expected)
     where = f"{msg}: " if msg else ""
     _structure(a_spec, e_spec, actual, expected, where)
-    for name, a, e in zip(names, a_leaves, e_leaves, strict=True):
-        at = f"{where}leaf {name}"
+    name = _Names(expected, where)
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves, strict=True)):
+        same = isinstance(e, Tensor) and isinstance(a, Tensor) and a.dtype == e.dtype
+        if same and a.shape == e.shape and torch.equal(_bits(a), _bits(e)):
+            continue
+        at = name(i)
         if not isinstance(e, Tensor):
             assert type(a) is type(e) and a == e, f"{at}: {a!r} != {e!r}"
             continue
@@ -138,6 +156,18 @@ def assert_bitwise(actual: Any, expected: Any, msg: str = "") -> None:
                 f"{at}: {len(diff)} of {a_bits.numel()} values differ in their bits; "
                 f"first at {pos}: {a.detach()[pos].item()!r} vs {e.detach()[pos].item()!r}"
             )
+
+
+class _Lazy:
+    """A leaf's name for a message, formatted only when the message is."""
+
+    __slots__ = ("i", "name")
+
+    def __init__(self, name: _Names, i: int) -> None:
+        self.name, self.i = name, i
+
+    def __format__(self, spec: str) -> str:
+        return self.name(self.i)
 
 
 def _scale_for(e: Tensor, scale: Any) -> Tensor:
@@ -180,18 +210,19 @@ def assert_close_rounding(
     of those matching ``expected``. NaNs must be in the same places and infinities equal.
     ``check_dtype=False`` allows a reference in another dtype (a float64 oracle). ``msg``
     prefixes the failure message, which names the leaf and the worst element."""
-    a_leaves, a_spec, _ = _flat(actual)
-    e_leaves, e_spec, names = _flat(expected)
+    a_leaves, a_spec = _flat(actual)
+    e_leaves, e_spec = _flat(expected)
     where = f"{msg}: " if msg else ""
     _structure(a_spec, e_spec, actual, expected, where)
     if isinstance(scale, Tensor) or scale is None or isinstance(scale, (int, float)):
         scales = [scale] * len(e_leaves)
     else:
-        scales, s_spec, _ = _flat(scale)
+        scales, s_spec = _flat(scale)
         if s_spec != e_spec:
             raise AssertionError(f"{where}scale's structure {s_spec} != {e_spec}")
-    for name, a, e, s in zip(names, a_leaves, e_leaves, scales, strict=True):
-        at = f"{where}leaf {name}"
+    name = _Names(expected, where)
+    for i, (a, e, s) in enumerate(zip(a_leaves, e_leaves, scales, strict=True)):
+        at = _Lazy(name, i)
         if e is None:
             assert a is None, f"{at}: expected None, got {a!r}"
             continue
