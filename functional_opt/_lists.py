@@ -386,6 +386,11 @@ def where(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tens
     return [torch.where(cond, x, y) for x, y in zip(xs, ys, strict=True)]
 
 
+def where_like(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:
+    """``x`` where the 0-d bool ``cond`` holds, else ``y``, in ``y``'s dtype."""
+    return [torch.where(cond, x, y).to(y.dtype) for x, y in zip(xs, ys, strict=True)]
+
+
 def zeros_like(xs: Sequence[Tensor]) -> list[Tensor]:
     """Fresh zeros shaped like each tensor."""
     return [torch.zeros_like(x) for x in xs]

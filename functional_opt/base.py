@@ -354,7 +354,7 @@ def stateless(
                 "state of another transform?)"
             )
         if params is not None:  # a gradient of another shape is refused, never passed on
-            tree.split(updates)[1].take(params, "params")
+            tree.split(updates, elementwise=True)[1].take(params, "params")
         return fn(updates, params), state
 
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -157,6 +157,101 @@ class Layout:
     def __repr__(self) -> str:
         return f"Layout({len(self.slots)} leaves in {len(self.sizes)} buffers of {self.sizes})"
 
+    def _runs_plan(self) -> tuple[Any, ...]:
+        """Per buffer its runs ``(start, count, size)`` (consecutive leaves of one size, in
+        offset order), each run's leaf positions (a slice or an index tensor into the present
+        leaves in flattening order), its merged regions ``(start, end)`` without gaps, and the
+        permutation from run order to leaf order (``None`` when it is the identity)."""
+        plan = self._plans.get("runs")
+        if plan is not None:
+            return plan  # type: ignore[no-any-return]
+        position = {leaf: k for k, leaf in enumerate(i for i, s in enumerate(self.slots) if s)}
+        runs: list[list[tuple[int, int, int]]] = []
+        by_run: list[list[slice | Tensor]] = []
+        regions: list[list[tuple[int, int]]] = []
+        sequence: list[int] = []
+        for b in range(len(self.sizes)):
+            groups: list[list[int]] = []
+            for i in self.members(b):
+                n = self.shapes[i].numel()  # type: ignore[union-attr]
+                last = groups[-1] if groups else None
+                if (
+                    last is not None
+                    and self.shapes[last[0]].numel() == n  # type: ignore[union-attr]
+                    and self.slots[last[-1]][1] + n == self.slots[i][1]  # type: ignore[index]
+                ):
+                    last.append(i)
+                else:
+                    groups.append([i])
+            runs.append([])
+            by_run.append([])
+            regions.append([])
+            for g in groups:
+                n = self.shapes[g[0]].numel()  # type: ignore[union-attr]
+                start = self.slots[g[0]][1]  # type: ignore[index]
+                runs[-1].append((start, len(g), n))
+                ks = [position[i] for i in g]
+                sequence.extend(ks)
+                contiguous = ks == list(range(ks[0], ks[0] + len(ks)))
+                by_run[-1].append(slice(ks[0], ks[-1] + 1) if contiguous else torch.tensor(ks))
+                end = start + len(g) * n
+                if end == start:
+                    continue
+                if regions[-1] and regions[-1][-1][1] == start:
+                    regions[-1][-1] = (regions[-1][-1][0], end)
+                else:
+                    regions[-1].append((start, end))
+        order: Tensor | None = None
+        if sequence != list(range(len(sequence))):
+            inverse = [0] * len(sequence)
+            for j, k in enumerate(sequence):
+                inverse[k] = j
+            order = torch.tensor(inverse)
+        plan = (runs, by_run, regions, order)
+        self._plans["runs"] = plan
+        return plan
+
+    def runs(self, buffer: int) -> list[tuple[int, int, int]]:
+        """The runs of ``buffer``: ``(start, count, size)`` for each stretch of consecutive
+        leaves of one size, in offset order (the rows of a ``count x size`` matrix)."""
+        return self._runs_plan()[0][buffer]  # type: ignore[no-any-return]
+
+    def leaves_by_run(self) -> list[list[slice | Tensor]]:
+        """Per buffer and run, the positions of its leaves among the present leaves in
+        flattening order (a slice where they are consecutive)."""
+        return self._runs_plan()[1]  # type: ignore[no-any-return]
+
+    def regions(self, buffer: int) -> list[tuple[int, int]]:
+        """The element ranges ``(start, end)`` of ``buffer`` that hold leaves (gaps left out)."""
+        return self._runs_plan()[2][buffer]  # type: ignore[no-any-return]
+
+    def run_order(self) -> Tensor | None:
+        """The index that puts per-run values (runs of buffer 0, then 1, ...) in leaf order, or
+        ``None`` when they already are."""
+        return self._runs_plan()[3]  # type: ignore[no-any-return]
+
+    def gather(self, values: PyTree, name: str = "tree") -> list[Tensor]:
+        """The leaves of ``values`` (a tree of this layout's structure) copied into buffers of
+        this layout. The leaves stored in one buffer must share a dtype and device."""
+        leaves = self.structure.leaves(values)
+        out = []
+        for b in range(len(self.sizes)):
+            members = self.members(b)
+            xs = [leaves[i] for i in members]
+            kinds = {(x.dtype, x.device) for x in xs if isinstance(x, Tensor)}
+            if len(kinds) != 1 or len(xs) != sum(isinstance(x, Tensor) for x in xs):
+                raise ValueError(
+                    f"{name}: the leaves held in buffer {b} of the packed layout must be tensors "
+                    f"of one dtype and device, got {sorted(map(str, kinds))}"
+                )
+            starts = [self.slots[i][1] for i in members]  # type: ignore[index]
+            buffer = _joined(xs, starts, self.structure.batch)
+            if buffer.shape[-1] < self.sizes[b]:
+                pad = buffer.new_zeros(*self.structure.batch, self.sizes[b] - buffer.shape[-1])
+                buffer = torch.cat([buffer, pad], dim=-1)
+            out.append(buffer)
+        return out
+
     def members(self, buffer: int) -> list[int]:
         """The leaves stored in ``buffer``, by offset."""
         inside = [(s[1], i) for i, s in enumerate(self.slots) if s is not None and s[0] == buffer]
@@ -408,6 +503,7 @@ optree.register_pytree_node(
     _optree_unflatten,  # type: ignore[arg-type]
     namespace=tree.NAMESPACE,
 )
+tree._PACKED = Packed
 torch_pytree.register_pytree_node(
     Packed,
     _torch_flatten,  # type: ignore[arg-type]

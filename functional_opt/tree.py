@@ -28,8 +28,11 @@ _OTHER = object()  # some updates are complex, or of other floating-point dtypes
 NAMESPACE = "functional_opt"
 """optree namespace of the pytree node types this package registers (loss scales)."""
 
+_PACKED: Any = None  # functional_opt.packed.Packed, set when that module is imported
+
 __all__ = [
     "NAMESPACE",
+    "BufferLeaves",
     "Leaves",
     "PyTree",
     "difference",
@@ -53,13 +56,26 @@ def unflatten(spec: optree.PyTreeSpec, values: Sequence[Any]) -> PyTree:
     return optree.tree_unflatten(spec, list(values))
 
 
+def flatten_buffered(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Like :func:`flatten`, with each packed tree held in buffers (no batch dimensions) kept
+    whole as a leaf (for functions that treat it buffer by buffer)."""
+    return optree.tree_flatten(tree, is_leaf=_is_buffered, none_is_leaf=True, namespace=NAMESPACE)
+
+
 def leaves(tree: PyTree) -> list[Any]:
     """Leaves of ``tree`` in flattening order, ``None`` included."""
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def map_params(fn: Callable[[Tensor], Any], params: PyTree) -> PyTree:
-    """``fn`` on every tensor leaf of ``params``; ``None`` leaves stay ``None``."""
+def map_params(fn: Callable[[Tensor], Any], params: PyTree, *, elementwise: bool = False) -> PyTree:
+    """``fn`` on every tensor leaf of ``params``; ``None`` leaves stay ``None``.
+
+    With ``elementwise=True`` (``fn`` returns a tensor of its argument's shape whose elements
+    depend only on the argument's elements at the same place, e.g. ``torch.zeros_like`` or a
+    cast) a packed tree (:mod:`functional_opt.packed`) is mapped buffer by buffer: the result is
+    packed with the same layout, so the elementwise transforms run over its buffers."""
+    if elementwise and _is_buffered(params):
+        return _PACKED(params.layout, buffers=[fn(b) for b in params.buffers])  # type: ignore[misc]
     return optree.tree_map(
         lambda x: None if x is None else fn(x), params, none_is_leaf=True, namespace=NAMESPACE
     )
@@ -204,6 +220,17 @@ class Leaves:
             self._flattened[id(tree)] = (tree, values)
         return values
 
+    def flat_buffered(self, tree: PyTree, name: str) -> list[Any]:
+        """Like :meth:`flat` for a record made from :func:`flatten_buffered`'s leaves: packed
+        trees held in buffers stay whole (and must have the layout of the updates' there)."""
+        values, spec = flatten_buffered(tree)
+        if spec != self.spec:
+            return self.flat(tree, name)  # (raises, naming the first difference)
+        for x, y in zip(self.values, values, strict=True):
+            if _is_buffered(x) and not (_is_buffered(y) and x.layout == y.layout):
+                raise ValueError(f"{name}: a packed tree in it is not packed like the other")
+        return values
+
     def take(self, tree: PyTree, name: str) -> list[Tensor]:
         """Leaves of ``tree`` (same structure as the updates) at the present positions.
 
@@ -306,6 +333,33 @@ class Leaves:
                     f"{self.kind} there are complex ({dtype}): the imaginary part would be lost"
                 )
 
+    # Reductions, for transforms whose math is elementwise (``split(..., elementwise=True)``):
+    # per leaf here; over the buffers' runs of leaves in :class:`BufferLeaves`.
+
+    def norms(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        """The L2 norm of each present leaf (0-d, at least float32)."""
+        return _lists.norms(xs)
+
+    def norm_vector(self, xs: Sequence[Tensor]) -> Tensor:
+        """The L2 norm of each present leaf as one vector (at least float32)."""
+        return _lists.stack(_lists.norms(xs))
+
+    def global_norm(self, xs: Sequence[Tensor]) -> Tensor:
+        """``sqrt(sum_i ||x_i||^2)`` over the present leaves."""
+        return _lists.global_norm(xs)
+
+    def all_finite(self, xs: Sequence[Tensor]) -> Tensor:
+        """A 0-d bool tensor: every element of every present leaf is finite."""
+        return _lists.all_finite(xs)
+
+    def scale_leaves(
+        self, xs: Sequence[Tensor], factors: Sequence[Tensor] | Tensor
+    ) -> list[Tensor]:
+        """Each present leaf times its own factor (0-d tensors in leaf order, or one vector)."""
+        if isinstance(factors, Tensor):
+            factors = list(factors.unbind())
+        return _lists.mul(xs, list(factors))
+
     def updates(self, present: Sequence[Tensor]) -> PyTree:
         """A tree shaped like the updates: ``present`` at their positions, ``None`` elsewhere."""
         return unflatten(self.spec, self._place(present, [None] * len(self.values)))
@@ -326,12 +380,148 @@ class Leaves:
         return values
 
 
-def split(updates: PyTree) -> tuple[list[Tensor], Leaves]:
+def _is_buffered(x: Any) -> bool:
+    """Whether ``x`` is a packed tree held in buffers, without batch dimensions."""
+    return (
+        _PACKED is not None
+        and type(x) is _PACKED
+        and x.buffers is not None
+        and not x.structure.batch
+    )
+
+
+def split(updates: PyTree, *, elementwise: bool = False) -> tuple[list[Tensor], Any]:
     """Flatten ``updates`` into its present tensors and the :class:`Leaves` record.
+
+    With ``elementwise=True`` the caller promises that its math on the returned tensors is
+    elementwise (it may mix them with scalars and with the tensors ``take`` returns, and reduce
+    them only through the record's ``norms``/``global_norm``/``all_finite``/``scale_leaves``):
+    then a packed tree held in buffers comes back as its **buffers** (one tensor per device and
+    dtype) with a :class:`BufferLeaves` record, and the transform runs a few ops over whole
+    buffers whatever the number of leaves. Otherwise (and for every other tree) the tensors are
+    the leaves.
 
     Raises ``TypeError`` naming the first present leaf that is not a floating-point or complex
     tensor (one comparison of the set of dtypes)."""
+    if elementwise and _is_buffered(updates):
+        record = BufferLeaves(updates)
+        return list(updates.buffers), record
     values, spec = flatten(updates)
     where = Leaves(values, spec, updates)
     where.kinds()  # updates are floating point or complex: an integer one would be truncated
     return list(where.present()), where
+
+
+class BufferLeaves:
+    """The record of :func:`split` ``(elementwise=True)`` for a packed tree held in buffers: the
+    tensors are the buffers (see :mod:`functional_opt.packed`) and every other tree the transform
+    reads must be packed with the same layout (a packed tree of the same structure in another
+    layout is copied into this one). Reductions run over the buffers' *runs* (consecutive leaves
+    of one size, the rows of a matrix), never over the gaps between them, whose values are
+    meaningless."""
+
+    __slots__ = ("complete", "index", "kind", "layout", "reference")
+
+    def __init__(self, packed: Any, kind: str = "updates") -> None:
+        self.layout = packed.layout
+        self.reference = packed
+        self.kind = kind
+        self.index = [i for i, slot in enumerate(self.layout.slots) if slot is not None]
+        self.complete = True
+        for b in packed.buffers:
+            if not (b.dtype.is_floating_point or b.dtype.is_complex):
+                raise TypeError(
+                    f"the {kind} hold leaves of dtype {b.dtype}: they must be floating point or "
+                    "complex"
+                )
+
+    def path(self, i: int) -> str:
+        """Readable path of leaf ``i``."""
+        return path_str(
+            optree.tree_paths(self.reference, none_is_leaf=True, namespace=NAMESPACE)[i]
+        )
+
+    def take(self, tree: PyTree, name: str) -> list[Tensor]:
+        """The buffers of ``tree``, packed with this layout (copied into it when ``tree`` is a
+        packed tree of the same structure held otherwise)."""
+        layout = self.layout
+        other: Any = tree
+        if type(other) is _PACKED:
+            if other.layout is layout or other.layout == layout:
+                return list(other.buffers)
+            if other.structure == layout.structure and not torch.compiler.is_compiling():
+                gathered: list[Tensor] = layout.gather(other.tree, name)
+                return gathered
+        where = difference(self.reference, tree) if not torch.compiler.is_compiling() else None
+        raise ValueError(
+            f"{name} does not have the structure of the {self.kind} (a packed tree of "
+            f"{len(layout.slots)} leaves): they first differ at {where or '<root>'}"
+        )
+
+    def updates(self, present: Sequence[Tensor]) -> PyTree:
+        """The packed tree with buffers ``present``."""
+        return _PACKED(self.layout, buffers=list(present))  # type: ignore[misc]
+
+    def carry(self, old: PyTree, present: Sequence[Tensor], name: str = "state") -> PyTree:
+        """``old``'s successor: the packed tree with buffers ``present``."""
+        del old, name
+        return _PACKED(self.layout, buffers=list(present))  # type: ignore[misc]
+
+    def _leaf_vector(self, pieces: list[Tensor]) -> Tensor:
+        """Per-run values (concatenated in run order) put back in leaf order."""
+        vec = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        order = self.layout.run_order()
+        return vec if order is None else vec[order]
+
+    def norms(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        """The L2 norm of each leaf (0-d, at least float32), in leaf order."""
+        if not self.index:
+            return []
+        return list(self.norm_vector(xs).unbind())
+
+    def norm_vector(self, xs: Sequence[Tensor]) -> Tensor:
+        """The L2 norm of each leaf as one vector (at least float32), in leaf order."""
+        pieces = []
+        for b, x in enumerate(xs):
+            dtype = torch.promote_types(x.dtype, torch.float32) if not x.is_complex() else None
+            for start, count, size in self.layout.runs(b):
+                rows = x[start : start + count * size].view(count, size)
+                pieces.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
+        return self._leaf_vector(pieces)
+
+    def _regions(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        return [x[start:end] for b, x in enumerate(xs) for start, end in self.layout.regions(b)]
+
+    def global_norm(self, xs: Sequence[Tensor]) -> Tensor:
+        """``sqrt(sum_i ||x_i||^2)`` over all leaves (the gaps left out)."""
+        regions = self._regions(xs)
+        if not regions:
+            return torch.zeros(())
+        norm: Tensor = torch.linalg.vector_norm(_lists.stack(_lists.norms(regions)))
+        return norm
+
+    def all_finite(self, xs: Sequence[Tensor]) -> Tensor:
+        """A 0-d bool tensor: every element of every leaf is finite (the gaps left out)."""
+        return _lists.all_finite(self._regions(xs))
+
+    def scale_leaves(
+        self, xs: Sequence[Tensor], factors: Sequence[Tensor] | Tensor
+    ) -> list[Tensor]:
+        """Each leaf times its own factor (0-d tensors in leaf order, or one vector), in the
+        leaf's dtype; the gaps become 0."""
+        vec = factors if isinstance(factors, Tensor) else _lists.stack(list(factors))
+        by_run = self.layout.leaves_by_run()
+        out = []
+        for b, x in enumerate(xs):
+            pieces, end = [], 0
+            for (start, count, size), leaves in zip(self.layout.runs(b), by_run[b], strict=True):
+                if start > end:
+                    pieces.append(x.new_zeros(start - end))
+                rows = x[start : start + count * size].view(count, size)
+                f = vec[leaves]
+                pieces.append((rows * f[:, None]).to(x.dtype).reshape(-1))
+                end = start + count * size
+            if end < x.shape[-1]:
+                pieces.append(x.new_zeros(x.shape[-1] - end))
+            out.append(torch.cat(pieces) if len(pieces) != 1 else pieces[0])
+        return out

@@ -28,8 +28,9 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         del params
-        g, at = tree.split(updates)
-        for i, x in zip(at.index, g, strict=True):
+        g, at = tree.split(updates, elementwise=True)
+        leaves = tree.split(updates)[0] if any(x.is_complex() for x in g) else []
+        for i, x in zip(at.index, leaves, strict=False):  # (only to name a complex leaf)
             if x.is_complex():
                 raise TypeError(
                     f"clip: the updates at {at.path(i)} are complex ({x.dtype}), which have no "
@@ -51,8 +52,8 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         del params
-        g, at = tree.split(updates)
-        norm = _lists.global_norm(g)
+        g, at = tree.split(updates, elementwise=True)
+        norm = at.global_norm(g)
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return at.updates(_lists.mul(g, factor))
 
@@ -232,10 +233,12 @@ def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> Grad
             return updates
         if params is None:
             raise ValueError("clip_by_agc needs params: call update(updates, state, params)")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         if not g:
             return updates
         p = at.take(params, "params")
-        return at.updates(_lists.mul(g, agc_factors(g, p, clip, pmin)))
+        unorm = at.norm_vector(g)
+        pnorm = at.norm_vector(p)
+        return at.updates(at.scale_leaves(g, agc_factors_from_norms(unorm, pnorm, clip, pmin)))
 
     return stateless(apply)

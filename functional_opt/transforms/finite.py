@@ -22,6 +22,7 @@ from functional_opt.base import (
     without_donation,
     zero_count,
 )
+from functional_opt.packed import Packed
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "negative_zeros_like", "select_tree"]
 
@@ -45,15 +46,19 @@ def negative_zeros_like(xs: list[Tensor]) -> list[Tensor]:
 def select_tree(cond: Tensor, on_true: Any, on_false: Any) -> Any:
     """Leafwise ``torch.where(cond, a, b)`` over two trees of the same structure (non-tensor
     leaves taken from ``on_false``)."""
-    a, spec = tree.flatten(on_true)
-    b = tree.Leaves(a, spec, on_true).flat(on_false, "state")
-    out = [
-        torch.where(cond, x, y).to(y.dtype)
-        if isinstance(x, Tensor) and isinstance(y, Tensor)
-        else y
-        for x, y in zip(a, b, strict=True)
-    ]
+    a, spec = tree.flatten_buffered(on_true)
+    b = tree.Leaves(a, spec, on_true).flat_buffered(on_false, "state")
+    out = [_select(cond, x, y) for x, y in zip(a, b, strict=True)]
     return tree.unflatten(spec, out)
+
+
+def _select(cond: Tensor, x: Any, y: Any) -> Any:
+    if isinstance(x, Tensor) and isinstance(y, Tensor):
+        return torch.where(cond, x, y).to(y.dtype)
+    if isinstance(x, Packed) and isinstance(y, Packed):  # packed with one layout: by buffer
+        assert x.buffers is not None and y.buffers is not None and y.layout is not None
+        return Packed(y.layout, buffers=_lists.where_like(cond, x.buffers, y.buffers))
+    return y
 
 
 def apply_if_finite(
@@ -89,8 +94,8 @@ def apply_if_finite(
     ) -> tuple[Updates, ApplyIfFiniteState]:
         check_extra(extra, "apply_if_finite", accepted)
         expect_state(state, ApplyIfFiniteState, "apply_if_finite")
-        g, _ = tree.split(updates)
-        finite = _lists.all_finite(g)
+        g, at = tree.split(updates, elementwise=True)
+        finite = at.all_finite(g)
         notfinite = torch.where(
             finite, torch.zeros_like(state.notfinite_count), safe_increment(state.notfinite_count)
         )
@@ -99,7 +104,7 @@ def apply_if_finite(
         new_updates, new_inner = inner.update(
             updates, state.inner_state, params, **without_donation(extra)
         )
-        out, where = tree.split(new_updates)
+        out, where = tree.split(new_updates, elementwise=True)
         out = _lists.where(apply, out, negative_zeros_like(out))
         return where.updates(out), ApplyIfFiniteState(
             notfinite,

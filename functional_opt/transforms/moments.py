@@ -61,7 +61,9 @@ def moment_dtype(param: Tensor, spec: MomentDtype) -> torch.dtype:
 
 
 def _full_like(params: Params, value: float, spec: MomentDtype) -> PyTree:
-    return tree.map_params(lambda p: torch.full_like(p, value, dtype=moment_dtype(p, spec)), params)
+    return tree.map_params(
+        lambda p: torch.full_like(p, value, dtype=moment_dtype(p, spec)), params, elementwise=True
+    )
 
 
 def bias_correction(xs: list[Tensor], decay: float | Tensor, count: Tensor) -> list[Tensor]:
@@ -120,7 +122,7 @@ def scale_by_rms(
         del params
         check_extra(extra, "scale_by_rms")
         expect_state(state, ScaleByRmsWithCountState if debias else ScaleByRmsState, "scale_by_rms")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         nu_old = at.take(state.nu, "state.nu")
         nu = _lists.moment(nu_old, g, decay, 2, donate=donating(extra))
         if isinstance(state, ScaleByRmsWithCountState):
@@ -204,7 +206,7 @@ def scale_by_stddev(
         check_extra(extra, "scale_by_stddev")
         expect_state(state, State, "scale_by_stddev")
         donate = donating(extra)
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         mu_old = at.take(state.mu, "state.mu")
         nu_old = at.take(state.nu, "state.nu")
         mu = _lists.moment(mu_old, g, decay, 1, donate=donate)
@@ -267,7 +269,7 @@ def scale_by_adam(
         check_extra(extra, "scale_by_adam")
         expect_state(state, ScaleByAdamState, "scale_by_adam")
         donate = donating(extra)
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         mu_old = at.take(state.mu, "state.mu")
         nu_old = at.take(state.nu, "state.nu")
         mu = _lists.moment(mu_old, g, b1, 1, donate=donate)
@@ -318,7 +320,7 @@ def trace(
         del params
         check_extra(extra, "trace")
         expect_state(state, TraceState, "trace")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         old = at.take(state.trace, "state.trace")
         new = _lists.decay_add(old, g, decay, donate=donating(extra))
         out = _lists.add(_lists.like(g, new), new, alpha=decay) if nesterov else new
@@ -361,7 +363,7 @@ def ema(
         del params
         check_extra(extra, "ema")
         expect_state(state, EmaState, "ema")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         old = at.take(state.ema, "state.ema")
         new = _lists.moment(old, g, decay, 1, donate=donating(extra))
         count = safe_increment(state.count)

@@ -41,7 +41,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
     _validate.finite("step_size", step_size)
 
     def apply(updates: Updates, params: Params | None) -> Updates:
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         return at.updates(_lists.mul(g, step_size))
 
     tx = stateless(apply)
@@ -65,7 +65,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     ) -> tuple[Updates, ScaleByScheduleState]:
         donating(extra)  # checks the keywords (and the donation flag); nothing is donated
         expect_state(state, ScaleByScheduleState, "scale_by_schedule")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         if params is not None:
             at.take(params, "params")  # a gradient of another shape is refused, never passed on
         step = torch.as_tensor(step_size_fn(state.count))

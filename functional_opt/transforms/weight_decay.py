@@ -28,7 +28,7 @@ def add_decayed_weights(
             raise ValueError(
                 "add_decayed_weights needs params: call update(updates, state, params)"
             )
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         p = at.take(params, "params")
         return at.updates(_lists.like(_lists.add(g, _lists.like(p, g), alpha=weight_decay), g))
 
