@@ -108,6 +108,8 @@ def from_torch(optimizer: type[torch.optim.Optimizer], /, **options: Any) -> Gra
       fails under ``vmap`` raises ``RuntimeError`` naming the optimizer and torch's reason.
     * ``donate=True``/``"state"`` lets torch's kernels write the new state into the state's
       buffers (not with ``differentiable=True``); the results are the same.
+    * ``torch.compile`` cannot trace the optimizer's construction: ``fullgraph=True`` fails,
+      and without it the update runs with graph breaks (torch's compiled step).
     * The step size is declared (``-lr``) for the optimizers whose update is proportional to
       ``lr`` (all of torch's but ``Rprop``, ``Adagrad`` with ``lr_decay`` and ``ASGD`` with
       ``lambd``), so ``TransformOptimizer(params, from_torch(torch.optim.Adam, lr=1e-3))``
