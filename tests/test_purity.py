@@ -7,6 +7,10 @@
   not even when an injected hyperparameter changes;
 * eager ``update`` never writes into its inputs and is deterministic in them.
 
+Where a test is one of :mod:`functional_opt.testing`'s checks (purity, vmap vs per member,
+compiled vs eager) it calls that check; the harnesses here drive the cases the checks do not
+(hyperparameters edited between steps, branches, per-member values).
+
 Tolerances follow ``tests/conftest.py``'s rule: bit for bit where the same ops run; where two
 paths compute the same math (vmapped vs per member, compiled vs eager), ``ops`` roundings per
 update times the updates, relative to a magnitude run on absolute values. A finite-difference
@@ -28,6 +32,14 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.func import grad, vmap
 
 import functional_opt as fo
+from functional_opt.testing import (
+    Fault,
+    check_compile,
+    check_purity,
+    check_vmap,
+    default_ops,
+    gradient_stream,
+)
 
 Tree = Any
 
@@ -292,8 +304,12 @@ def _nonzero_per_member(updates: dict[str, Tensor | None]) -> Tensor:
     ],
 )
 def test_vmap_matches_per_member_loop(make: Callable[[], fo.GradientTransformation]) -> None:
-    history, _ = run_ensemble(make(), steps=4)
-    assert bool(_nonzero_per_member(history[-1]).all())
+    # functional_opt.testing's check (members: the params times 2**-i, gradients times 2**i),
+    # in float64 at default_ops per update: the longest elementwise chain plus a norm over
+    # the tree (step_ops)
+    params = member(ensemble_params(), 0)
+    assert default_ops(params) == step_ops(params)
+    check_vmap(make(), params, gradient_stream(params, 4, seed=1), members=MEMBERS)
 
 
 @pytest.mark.parametrize(
@@ -429,9 +445,11 @@ def test_compile_dreamerv3_with_a_parameter_without_gradient() -> None:
 
 
 def test_compile_clip_by_global_norm_adam() -> None:
+    # functional_opt.testing's check: compiled vs eager at default_ops (step_ops) per update,
+    # no recompilation after the second call
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     tx = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
-    history = compiled_matches_eager(tx, steps=5)
-    assert not any(_is_zero(u) for u in history)
+    check_compile(tx, params, gradient_stream(params, 5, seed=0))
 
 
 def test_compile_multi_steps() -> None:
@@ -478,23 +496,12 @@ def test_compile_inject_hyperparams_lr_change_does_not_recompile() -> None:
     ],
 )
 def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
-    tx = make()
+    # functional_opt.testing's check, over gradients with a NaN at step 1
     gen = torch.Generator().manual_seed(2)
     params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
-    state = state0 = tx.init(params)
-    snapshot = optree.tree_map(torch.clone, state0)
-    for step in range(3):
-        g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-        if step == 1:
-            g["b"][0] = float("nan")
-        inputs = (g, state, params)
-        before = optree.tree_map(torch.clone, inputs)
-        first = tx.update(*inputs)
-        second = tx.update(*inputs)
-        assert_bitwise(inputs, before)
-        assert_bitwise(first, second)
-        state = first[1]
-    assert_bitwise(state0, snapshot)
+    grads = gradient_stream(params, 3, seed=2, faults=[Fault(step=1, leaf=0)])
+    assert bool(grads[1]["b"].isnan().any())
+    check_purity(make(), params, grads)
 
 
 def test_vmap_over_a_learning_rate_with_shared_params() -> None:
