@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import functional_opt as fo
 from functional_opt.base import stateless
+from functional_opt.testing import check_transform
 from functional_opt.transforms import accumulation
 
 NAN, INF = math.nan, math.inf
@@ -513,3 +514,65 @@ def test_adaptive_grad_clip_axis_errors() -> None:
         {"w": torch.tensor([3.0, -0.1])}, (), {"w": torch.tensor([2.0, 1.0])}
     )
     assert_bitwise(u["w"], torch.tensor([1.0, -0.1]))
+
+
+# --- the contract checks of functional_opt.testing --------------------------------------------
+
+CONTRACT = {
+    "zero_nans": lambda: fo.zero_nans(),
+    "set_to_zero": lambda: fo.set_to_zero(),
+    "freeze": lambda: fo.freeze({"w": True, "b": False, "s": False}),
+    "monitor": lambda: fo.monitor(
+        {
+            "norm": fo.update_norm,
+            "updates": lambda u: u,
+            "rms_ema": fo.measure_with_ema(fo.update_rms, 0.9),
+        }
+    ),
+    "snapshot": lambda: fo.snapshot("updates", lambda u: u),
+    "multi_steps_skip": lambda: fo.multi_steps(
+        fo.adam(0.1), 2, should_skip_update_fn=fo.skip_not_finite
+    ),
+    "agc_torch": lambda: fo.adaptive_grad_clip(0.1, axis="torch"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_contract_checks(name: str) -> None:
+    # Every check but torch.compile's (tens of seconds each; the vmap check covers the
+    # absence of host reads). A None gradient keeps each measurement's last value, and updates
+    # of another shape than their param are refused (naming the leaf) also by transforms that
+    # pass them on unchanged.
+    check_transform(CONTRACT[name](), _params(0), skip=("compile",))
+
+
+def test_measurements_of_none_updates_keep_their_last_value() -> None:
+    params = _params(0)
+    tx = fo.snapshot("u", lambda u: u)
+    _, state = tx.update(_like(params, 1), tx.init(params), params)
+    before = state.measurement["u"]["b"]
+    _, state = tx.update({**_like(params, 2), "b": None}, state, params)
+    assert state.measurement["u"]["b"] is before
+    assert sorted(fo.state_to_dict(state)) == sorted(fo.state_to_dict(tx.init(params)))
+
+
+@pytest.mark.parametrize("name", ["zero_nans", "monitor", "snapshot"])
+def test_updates_of_another_shape_are_refused(name: str) -> None:
+    params = _params(0)
+    tx = CONTRACT[name]()
+    with pytest.raises(ValueError, match=r"\['w'\]"):
+        tx.update({**_like(params, 1), "w": torch.ones(4, 3)}, tx.init(params), params)
+
+
+def test_monitor_compiles_once() -> None:
+    # Dynamo only (backend="eager": no inductor, fast): fresh updates each step reuse the graph
+    # (the copy of a measured update leaf must not guard on the tensors' ids).
+    params = _params(0)
+    tx = fo.chain(fo.monitor({"norm": fo.update_norm}), fo.snapshot("u", lambda u: u))
+    step = torch.compile(tx.update, backend="eager", fullgraph=True)
+    state = tx.init(params)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(3):
+            u, state = step(_like(params, t), state, params)
+    assert_bitwise(fo.measurements(state)["u"], u)

@@ -58,10 +58,11 @@ def zero_nans() -> GradientTransformation:
     def update_fn(
         updates: Updates, state: ZeroNansState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ZeroNansState]:
-        del params
         check_extra(extra, "zero_nans")
         expect_state(state, ZeroNansState, "zero_nans")
         g, at = tree.split(updates)
+        if params is not None:  # updates of another shape are refused, never passed on
+            at.take(params, "params")
         at.flat(state.found_nan, "state.found_nan")  # its structure is the updates'
         nan = [torch.isnan(x) for x in g]
         found = [m.any() for m in nan]

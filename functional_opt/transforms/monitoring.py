@@ -77,10 +77,42 @@ def _owned(value: PyTree, *sources: PyTree) -> PyTree:
     leaves, spec = tree.flatten(value)
     if not any(isinstance(x, Tensor) for x in leaves):
         return value
-    seen = {id(x) for s in sources for x in tree.leaves(s) if isinstance(x, Tensor)}
+    inputs = [x for s in sources for x in tree.leaves(s) if isinstance(x, Tensor)]
+    if torch.compiler.is_compiling():  # ids would become guards of the graph: compare with is
+        return tree.unflatten(
+            spec,
+            [
+                x.clone() if isinstance(x, Tensor) and any(x is y for y in inputs) else x
+                for x in leaves
+            ],
+        )
+    seen = set(map(id, inputs))
     return tree.unflatten(
         spec, [x.clone() if isinstance(x, Tensor) and id(x) in seen else x for x in leaves]
     )
+
+
+def _keep_absent(value: PyTree, old: PyTree) -> PyTree:
+    """``value`` with the old measurement's leaf wherever ``value`` has ``None`` and the old one
+    a tensor (a measure of updates with ``None`` leaves, e.g. ``lambda u: u``): a ``None``
+    gradient keeps its state, and the state keeps its structure (checkpoints, compiled
+    graphs). Trees of other structures are left as they are."""
+    new_leaves, spec = tree.flatten(value)
+    if not any(x is None for x in new_leaves):
+        return value
+    old_leaves, old_spec = tree.flatten(old)
+    if old_spec != spec:
+        return value
+    return tree.unflatten(
+        spec, [o if n is None else n for n, o in zip(new_leaves, old_leaves, strict=True)]
+    )
+
+
+def _check_params(updates: Updates, params: Params | None) -> None:
+    """Given ``params``, refuses updates of another structure or shape (naming the leaf), as
+    every transform does (a monitor passes them on unchanged)."""
+    if params is not None:
+        tree.split(updates)[1].take(params, "params")
 
 
 def _check_name(name: Any, what: str) -> None:
@@ -103,7 +135,8 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
 
     ``init`` stores ``measure(params)`` (as optax), which fixes the state's structure from the
     start. A tensor the measure returns that is a leaf of the updates (``lambda u: u``) is stored
-    as a copy: the state never shares memory with the updates. Read it with
+    as a copy: the state never shares memory with the updates; where the measurement has a
+    ``None`` leaf (a ``None`` update) the last value of that leaf is kept. Read it with
     ``state.measurement[measure_name]`` or :func:`measurements`."""
     _check_name(measure_name, "measure_name")
     _validate.function("measure", measure)
@@ -114,10 +147,21 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
     def update_fn(
         updates: Updates, state: SnapshotState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, SnapshotState]:
-        del params
         check_extra(extra, "snapshot")
+        _check_params(updates, params)
         expect_state(state, SnapshotState, "snapshot")
-        return updates, SnapshotState({measure_name: _owned(measure(updates), updates)})
+        if not isinstance(state.measurement, dict) or list(state.measurement) != [measure_name]:
+            got = (
+                list(state.measurement)
+                if isinstance(state.measurement, dict)
+                else type(state.measurement).__name__
+            )
+            raise ValueError(
+                f"snapshot: the state must hold the measurement [{measure_name!r}], got {got} "
+                "(the state of another snapshot?)"
+            )
+        value = _keep_absent(_owned(measure(updates), updates), state.measurement[measure_name])
+        return updates, SnapshotState({measure_name: value})
 
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
@@ -167,9 +211,10 @@ def monitor(measures: Mapping[str, Measure | GradientTransformation]) -> Gradien
 
     ``init`` records the measures of the params (optax's ``monitor`` starts with an empty
     dict): the state's structure never changes, so ``torch.compile`` and ``state_from_dict``
-    see one structure. Extra keywords go to the transform measures that accept them (the
-    state donated at most: the updates are returned unchanged). Read the values with
-    ``state.measurements[name]`` or :func:`measurements`."""
+    see one structure (a ``None`` leaf of a measurement keeps that leaf's last value). Extra
+    keywords go to the transform measures that accept them (the state donated at most: the
+    updates are returned unchanged). Read the values with ``state.measurements[name]`` or
+    :func:`measurements`."""
     if not isinstance(measures, Mapping):
         raise _validate.HyperparameterTypeError(
             f"measures must be a dict of names to measures, got a {type(measures).__name__}"
@@ -198,17 +243,26 @@ def monitor(measures: Mapping[str, Measure | GradientTransformation]) -> Gradien
     ) -> tuple[Updates, MonitorState]:
         check_extra(extra, "monitor", accepted)
         expect_state(state, MonitorState, "monitor")
-        if len(state.measure_states) != len(txs):
+        _check_params(updates, params)
+        if len(state.measure_states) != len(txs) or not (
+            isinstance(state.measurements, dict) and tuple(state.measurements) == names
+        ):
+            got = (
+                list(state.measurements)
+                if isinstance(state.measurements, dict)
+                else type(state.measurements).__name__
+            )
             raise ValueError(
-                f"monitor: state.measure_states must hold {len(txs)} states (one per measure "
-                f"{list(names)}), got {len(state.measure_states)}"
+                f"monitor: the state must hold the measures {list(names)} (one state each), got "
+                f"measurements {got} and {len(state.measure_states)} states (the state of "
+                "another monitor?)"
             )
         shared = state_donation(extra)  # the updates are returned: never written into
         values, states = {}, []
         for name, t, s, a in zip(names, txs, state.measure_states, accepts, strict=True):
             mine = shared if a is None else {k: v for k, v in shared.items() if k in a}
             value, s = t.update(updates, s, params, **mine)
-            values[name] = _owned(value, updates, params)
+            values[name] = _keep_absent(_owned(value, updates, params), state.measurements[name])
             states.append(s)
         return updates, MonitorState(values, tuple(states))
 
