@@ -287,9 +287,10 @@ def check_none_gradients_keep_state(
     * a leaf whose gradient is present on the first step and ``None`` afterwards keeps its
       per-parameter state unchanged on every step that returns a ``None`` update for it, and
       the state's integer entries (counters) advance as in a run where every gradient is
-      present. State entries whose dotted name contains one of ``accumulators`` are exempt
-      from the first half (a window's running mean counts a ``None`` as a zero gradient, as
-      ``MultiSteps`` documents: pass ``accumulators=("acc_grads",)``).
+      present (with zeros in place of the ``None``). State entries whose dotted name contains
+      one of ``accumulators`` are exempt from the first half (a window's running mean counts
+      a ``None`` as a zero gradient, as ``MultiSteps`` documents: pass
+      ``accumulators=("acc_grads",)``).
 
     A packed tree cannot hold ``None`` gradients (its layout would change): for packed
     ``params`` the check runs on the unpacked tree."""
@@ -363,10 +364,11 @@ def check_none_gradients_keep_state(
             sparse = dense = tx.init(params)
         for t, g in enumerate(stream):
             g_t = g if t == 0 else without(g)
+            g_dense = g if t == 0 else _zero_at(g, pos)
             before = state_to_dict(sparse)
             with _named(name, f"update with leaf {leaf}'s gradient None at step {t}"):
                 u, sparse = tx.update(g_t, sparse, params)
-                _, dense = tx.update(g, dense, params)
+                _, dense = tx.update(g_dense, dense, params)
             after, d_dense = state_to_dict(sparse), state_to_dict(dense)
             at = f"leaf {leaf}'s gradient None at step {t} (present at step 0)"
             if t > 0 and tree.leaves(u)[pos] is None:
@@ -383,6 +385,13 @@ def check_none_gradients_keep_state(
                         d_dense[key],
                         f"{name}: {at}: counter {key} differs from a run with every gradient",
                     )
+
+
+def _zero_at(value: PyTree, pos: int) -> PyTree:
+    values = list(tree.leaves(value))
+    if isinstance(values[pos], Tensor):
+        values[pos] = torch.zeros_like(values[pos])
+    return rebuild(value, values)
 
 
 def _absent(
