@@ -340,6 +340,9 @@ def warmup_exponential_decay_schedule(
     :func:`exponential_decay` from ``peak_value`` (its steps counted from the end of the
     warm-up). ``warmup_steps`` is a Python int in ``[0, 2**31 - 1]``; the rest is checked as
     in :func:`linear_schedule` and :func:`exponential_decay`."""
+    # (checked here, not only by the parts: the warm-up's end is peak_value, errors name it)
+    _validate.finite("init_value", init_value)
+    _validate.finite("peak_value", peak_value)
     _steps("warmup_steps", warmup_steps, 0)
     return join_schedules(
         [
