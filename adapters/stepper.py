@@ -8,10 +8,11 @@ the other). Loss scaling is :class:`functional_opt.loss_scale.DynamicLossScale` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -45,6 +46,83 @@ class RegisteringTrainer(Protocol):
 
     def register_module(self, module_name: str, module: Any) -> None:
         """Record ``module`` for checkpointing under ``module_name``."""
+
+
+class DataParallelContext(Protocol):
+    """What the stepper uses of a trainer's ``data_parallel_context`` (torchrl's
+    ``DataParallelContext``): gradients stay local during ``backward()`` and are averaged
+    across ranks by one explicit call."""
+
+    def sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average the gradients of ``optimizer``'s params across ranks."""
+
+
+def _data_parallel_modules(modules: Any) -> tuple[list[Any], list[Any]]:
+    """The ``DistributedDataParallel`` wrappers and FSDP2 (``fully_shard``) modules in
+    ``modules`` (a module or an iterable of them) and their submodules; ``ValueError`` when
+    there is none or an entry is not a module."""
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
+    elif isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+        raise ValueError(
+            "sync_modules must be an nn.Module or an iterable of them, got "
+            f"{type(modules).__name__}"
+        )
+    fsdp_type = None
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_type = FSDPModule
+    ddp: list[Any] = []
+    fsdp: list[Any] = []
+    seen: set[int] = set()
+    for i, root in enumerate(modules):
+        if not isinstance(root, torch.nn.Module):
+            raise ValueError(f"sync_modules[{i}] must be an nn.Module, got {type(root).__name__}")
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+                ddp.append(module)
+            elif fsdp_type is not None and isinstance(module, fsdp_type):
+                fsdp.append(module)
+    if not (ddp or fsdp):
+        raise ValueError(
+            "sync_modules has no DistributedDataParallel or fully_shard (FSDP2) module: there "
+            "is no gradient synchronisation to defer (pass the wrapped model, not its .module)"
+        )
+    return ddp, fsdp
+
+
+def _fsdp_param_groups(module: Any) -> list[Any]:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.8: one group per module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _discard_unsynced(fsdp_modules: list[Any]) -> None:
+    """Drop the gradients FSDP2 accumulated, unsharded, in backward passes without gradient sync
+    (``optimizer.zero_grad`` only clears the sharded params' ``.grad``). FSDP2 has no public
+    call for this; its params keep them in ``unsharded_accumulated_grad`` (when the reduce dtype
+    differs from the params') or in the unsharded param's ``.grad``."""
+    for module in fsdp_modules:
+        try:
+            for group in _fsdp_param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.unsharded_accumulated_grad = None
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+        except AttributeError as error:  # a torch whose FSDP2 keeps them elsewhere
+            raise RuntimeError(
+                "cannot discard the gradients FSDP2 accumulated without sync in this torch "
+                f"version ({error}); a dropped accumulation window would leak them into the "
+                "next one: do not pass FSDP2 modules as sync_modules"
+            ) from error
 
 
 def _is_tensordict(value: Any) -> bool:
@@ -145,6 +223,19 @@ class MixedPrecisionOptimizationStepper:
     more than one rank, ``None`` never reduces (ranks that train independently), or a
     ``ProcessGroup``. Then one rank's non-finite loss or gradient skips the step on every rank.
 
+    Gradient accumulation communicates once per optimizer step when the stepper knows the
+    data-parallel modules: ``sync_modules`` (the ``DistributedDataParallel`` wrapper, the
+    ``fully_shard`` root, or modules containing them) makes every call but a window's last run its
+    forward and backward without gradient synchronisation (``DistributedDataParallel.no_sync()``,
+    FSDP2's ``set_requires_gradient_sync(False)``, restored to ``True`` when the call returns);
+    the gradients accumulate on each rank and the window's last backward reduces their sum once.
+    The numbers are those of syncing every micro-batch (the same sums in another order). A
+    dropped window also discards what FSDP2 accumulated unsharded. A trainer with a
+    ``data_parallel_context`` (torchrl's ``DataParallelContext``: gradients stay local during
+    ``backward()``) gets ``trainer.data_parallel_context.sync_gradients(optimizer)`` once per
+    window, after its last backward and before unscaling, clipping and the step. The finite flags
+    are still agreed on every call (an ``all_reduce`` of one integer inside a window).
+
     ``dreamerv3_metrics=True`` adds, on calls that end a window, the optimizer metrics DreamerV3
     logs (:func:`functional_opt.metrics.dreamerv3_metrics`): ``grad_rms`` (pre-clip),
     ``update_rms`` (of the step applied, ``0`` when skipped), ``param_rms`` (after the step),
@@ -163,6 +254,7 @@ class MixedPrecisionOptimizationStepper:
         device_type: str | None = None,
         process_group: ProcessGroup | Literal["auto"] | None = "auto",
         dreamerv3_metrics: bool = False,
+        sync_modules: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -203,6 +295,8 @@ class MixedPrecisionOptimizationStepper:
                 f"process_group must be 'auto', None or a ProcessGroup, got {process_group!r}"
             )
 
+        ddp, fsdp = ([], []) if sync_modules is None else _data_parallel_modules(sync_modules)
+
         params = self._params(optimizer)
         device = params[0].device if params else torch.device("cpu")
         if device_type is None:
@@ -217,6 +311,7 @@ class MixedPrecisionOptimizationStepper:
         if not isinstance(dreamerv3_metrics, bool):
             raise ValueError(f"dreamerv3_metrics must be a bool, got {dreamerv3_metrics!r}")
         self.dreamerv3_metrics = dreamerv3_metrics
+        self._ddp_modules, self._fsdp_modules = ddp, fsdp
         self._use_loss_scale = mixed_precision and autocast_dtype == torch.float16
         self._loss_scale: DynamicLossScale | NoOpLossScale = (
             self._dynamic_scale(device, 2.0**16, 2000, 2.0, 0)
@@ -249,24 +344,30 @@ class MixedPrecisionOptimizationStepper:
     def step(self, trainer: LossTrainer, sub_batch: Any) -> Any:
         """One forward and (scaled) backward pass; the optimizer steps every
         ``gradient_accumulation_steps`` calls. Returns the metrics (see the class docstring)."""
-        with torch.amp.autocast(
-            self.device_type, enabled=self.mixed_precision, dtype=self.autocast_dtype
-        ):
-            losses = trainer.compute_loss(sub_batch)
-            loss = self._total_loss(losses) / self.gradient_accumulation_steps
-        loss_finite = all_finite(loss.detach())
         grad_scale = self._loss_scale.loss_scale
-
         if self._micro_step + 1 < self.gradient_accumulation_steps:
-            if not bool(self._agree(loss_finite)):  # host read: a bad loss restarts the window
-                return self._drop_window(losses, loss, grad_scale)
-            self._backward(loss)
+            with self._without_gradient_sync():
+                losses, loss = self._forward(trainer, sub_batch)
+                if not bool(self._agree(all_finite(loss.detach()))):  # host read: a bad loss
+                    return self._drop_window(losses, loss, grad_scale)  # restarts the window
+                self._backward(loss)
             self._micro_step += 1
             return self._metrics(losses, None, grad_scale)
 
         # Last call of the window: back-propagate even a non-finite loss (its gradient is
         # discarded below) so that one host read decides everything.
+        losses, loss = self._forward(trainer, sub_batch)
+        loss_finite = all_finite(loss.detach())
         self._backward(loss)
+        context = getattr(trainer, "data_parallel_context", None)
+        if context is not None:
+            sync = getattr(context, "sync_gradients", None)
+            if not callable(sync):
+                raise TypeError(
+                    "trainer.data_parallel_context must have a sync_gradients(optimizer) method "
+                    f"(torchrl's DataParallelContext), got {type(context).__name__}"
+                )
+            sync(self.optimizer)
         grads = [p.grad for p in self._params(self.optimizer) if p.grad is not None]
         if self._use_loss_scale:
             _mul_(grads, _reciprocal(self._loss_scale.loss_scale))
@@ -486,6 +587,29 @@ class MixedPrecisionOptimizationStepper:
         torch.distributed.all_reduce(as_int, op=torch.distributed.ReduceOp.MIN, group=group)
         return as_int.bool()
 
+    def _forward(self, trainer: LossTrainer, sub_batch: Any) -> tuple[Any, Tensor]:
+        """``trainer.compute_loss`` under autocast: the losses and this call's total loss."""
+        with torch.amp.autocast(
+            self.device_type, enabled=self.mixed_precision, dtype=self.autocast_dtype
+        ):
+            losses = trainer.compute_loss(sub_batch)
+            loss = self._total_loss(losses) / self.gradient_accumulation_steps
+        return losses, loss
+
+    @contextlib.contextmanager
+    def _without_gradient_sync(self) -> Iterator[None]:
+        """Forward and backward inside it keep their gradients on this rank (``sync_modules``)."""
+        if not (self._ddp_modules or self._fsdp_modules):
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for module in self._ddp_modules:
+                stack.enter_context(module.no_sync())
+            for module in self._fsdp_modules:
+                stack.callback(module.set_requires_gradient_sync, True, recurse=False)
+                module.set_requires_gradient_sync(False, recurse=False)
+            yield
+
     def _backward(self, loss: Tensor) -> None:
         scaled: Tensor = self._loss_scale.scale(loss)
         torch.autograd.backward(scaled)
@@ -500,6 +624,7 @@ class MixedPrecisionOptimizationStepper:
             self._skipped_nonfinite_steps,
         )
         self.optimizer.zero_grad(set_to_none=True)
+        _discard_unsynced(self._fsdp_modules)
         self._micro_step = 0
         return self._metrics(losses, None, grad_scale)
 

@@ -26,10 +26,12 @@ order (counted below) and the elementwise math runs on the shards: the rule's ro
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from conftest import (
     assert_close_rounding,
 )
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_opt as fo
 from functional_opt import _lists
@@ -68,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 WORLD = 2
 STEPS = 10  # optimizer steps per training run
@@ -313,6 +316,7 @@ def _init(rank: int, world: int, store: str) -> None:
 def _finish(out: dict[str, Any], path: Path) -> None:
     """Write this rank's results (atomically: the test reads them once both exist), then leave
     the process group."""
+    out["cpu_seconds"] = time.process_time()  # this rank's CPU time (reported by hand)
     torch.save(out, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
     dist.barrier()
@@ -331,6 +335,296 @@ class _InfGrad(torch.autograd.Function):
         grad = grad.clone()
         grad[0, 0] = float("inf")
         return grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting collectives.
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call: the op's name, its kind, and the dtype and size of its input."""
+
+    op: str
+    kind: str
+    dtype: torch.dtype | None
+    numel: int
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_")
+
+
+def collective_kind(op: str) -> str:
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, or the op's name."""
+    name = op.strip("_").replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        if kind in name:
+            return kind
+    return name
+
+
+class CollectiveLog(TorchDispatchMode):
+    """While active, records every collective this process issues (a ``Collective`` each, in
+    order): ``torch.distributed``'s ops, ``DTensor``'s functional collectives, and those that
+    DDP's reducer and FSDP2 issue from C++ or Python, all of which go through the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            op = func._schema.name.split("::")[-1]
+            if op not in _NOT_COLLECTIVES:
+                tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+                first = tensors[0] if tensors else None
+                self.calls.append(
+                    Collective(
+                        op,
+                        collective_kind(op),
+                        None if first is None else first.dtype,
+                        0 if first is None else first.numel(),
+                    )
+                )
+        return func(*args, **(kwargs or {}))
+
+    def count(self, kind: str) -> int:
+        return sum(c.kind == kind for c in self.calls)
+
+
+def gradient_syncs(calls: list[Collective]) -> int:
+    """The collectives of a data-parallel gradient sync among ``calls``: FSDP2's reduce-scatters
+    and the all-reduces of floating-point tensors by ``torch.distributed`` (DDP's buckets, an
+    HSDP replica all-reduce, an explicit sync); not ``DTensor``'s functional all-reduces (norms)
+    nor the stepper's integer flags."""
+    return sum(
+        c.kind == "reduce_scatter"
+        or (c.op == "allreduce_" and c.dtype is not None and c.dtype.is_floating_point)
+        for c in calls
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient accumulation without extra syncs: exact arithmetic, so every order gives the same bits.
+
+ACC = 4  # micro-batches per optimizer step
+ACC_CALLS = 10  # windows: calls 0-3 step; 4-5 dropped (call 5's loss is not finite); 6-9 step
+ACC_POISON = 5
+ACC_LR = 2.0**-4
+
+
+class TwoHeads(nn.Module):
+    """``a(x) + b(x)``: two linear maps (two FSDP2 param groups, one DDP bucket)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.a(x) + self.b(x)
+        return out
+
+
+def exact_model(dtype: torch.dtype = torch.float32) -> TwoHeads:
+    """Weights and biases in eighths in [-1/2, 1/2]; inputs and targets in {-1, 0, 1} (below):
+    over two SGD steps of 2**-4 every product and sum in a gradient, its accumulation over the
+    window and ranks and the update fits in float32's 24 bits (checked against float64)."""
+    torch.manual_seed(5)
+    model = TwoHeads().to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape) / 8)
+    return model
+
+
+def exact_batches(dtype: torch.dtype = torch.float32) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randint(-1, 2, (8, 4), generator=g).to(dtype),
+            torch.randint(-1, 2, (8, 3), generator=g).to(dtype),
+        )
+        for _ in range(ACC_CALLS)
+    ]
+
+
+class ExactTrainer:
+    """Half the mean over this rank's rows of the squared error; the last rank's loss is not
+    finite on call ACC_POISON."""
+
+    def __init__(self, model: nn.Module, rank: int, world: int) -> None:
+        self.model, self.rank, self.world, self.calls = model, rank, world, 0
+
+    def compute_loss(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        x, y = local(batch, self.rank, self.world)
+        loss = 0.5 * (self.model(x) - y).square().sum(dim=1).mean()
+        if self.calls == ACC_POISON and self.rank == self.world - 1:
+            loss = loss * float("inf")
+        self.calls += 1
+        return {"loss": loss}
+
+
+class AveragingContext:
+    """A trainer's ``data_parallel_context`` as torchrl's: ``sync_gradients`` averages the
+    gradients over the ranks (one all-reduce each); it counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sync_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls += 1
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+
+def accumulate(
+    model: nn.Module,
+    rank: int,
+    world: int,
+    sync_modules: nn.Module | None = None,
+    context: AveragingContext | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """The stepper (accumulation ACC, SGD, no clipping) over ``exact_batches``: the gradient
+    syncs of every call, the whole params after every call, and the counters."""
+    opt = TransformOptimizer(model.parameters(), fo.sgd(ACC_LR))
+    stepper = MixedPrecisionOptimizationStepper(
+        opt, gradient_accumulation_steps=ACC, clip_norm=None, sync_modules=sync_modules
+    )
+    trainer = ExactTrainer(model, rank, world)
+    if context is not None:
+        trainer.data_parallel_context = context  # type: ignore[attr-defined]
+    syncs, params = [], []
+    for batch in exact_batches(dtype):
+        with CollectiveLog() as log:
+            stepper.step(trainer, batch)
+        syncs.append(gradient_syncs(log.calls))
+        params.append(full_params(model))
+    return {
+        "syncs": syncs,
+        "params": params,
+        "steps": stepper.optimizer_step_count,
+        "skipped": stepper.state_dict()["skipped_nonfinite_steps"],
+    }
+
+
+def shard_heads(mesh: DeviceMesh) -> TwoHeads:
+    model = exact_model()
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_accumulation(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
+    model = shard_heads(mesh)
+    return {
+        "deferred": accumulate(model, rank, WORLD, sync_modules=model),
+        "every": accumulate(shard_heads(mesh), rank, WORLD),
+    }
+
+
+def _ddp_accumulation(rank: int) -> dict[str, Any]:
+    deferred = nn.parallel.DistributedDataParallel(exact_model())
+    context = AveragingContext()
+    out = {
+        "deferred": accumulate(deferred, rank, WORLD, sync_modules=deferred),
+        "every": accumulate(nn.parallel.DistributedDataParallel(exact_model()), rank, WORLD),
+        "context": accumulate(exact_model(), rank, WORLD, context=context),
+    }
+    out["context_calls"] = context.calls
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# fp16 loss scaling under FSDP2.
+
+
+def _fsdp_fp16(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
+    """The stepper with float16 autocast and loss scaling (accumulation 2, syncs deferred):
+    rank 1's backward puts an Inf into the first layer's gradient on the last call of the
+    second window (an overflow in one rank's contribution only)."""
+    model = shard_model(make_model(), mesh)
+    opt = make_optimizer("stepper", model.parameters())
+    stepper = MixedPrecisionOptimizationStepper(
+        opt,
+        mixed_precision=True,
+        autocast_dtype=torch.float16,
+        gradient_accumulation_steps=2,
+        clip_norm=1.0,
+        sync_modules=model,
+    )
+    trainer = Trainer(model, rank, WORLD)
+    inject = {"on": False}
+
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        return _InfGrad.apply(output) if inject["on"] else output  # type: ignore[no-any-return]
+
+    model[0].register_forward_hook(hook)
+    windows = []
+    for i, batch in enumerate(make_batches(6)):
+        inject["on"] = i == 3 and rank == 1
+        metrics = stepper.step(trainer, batch)
+        if i % 2 == 1:
+            windows.append(
+                {
+                    "state": full_state(model, opt),
+                    "scale": stepper.loss_scale.loss_scale.clone(),
+                    "used_scale": metrics["grad_scale"],
+                    "overflows": int(metrics["skipped_overflow_steps"]),
+                }
+            )
+    return {"windows": windows, "steps": stepper.optimizer_step_count}
+
+
+# ----------------------------------------------------------------------------------------------
+# The HSDP job (4 ranks: 2 replicas x 2 shards).
+
+HSDP_WORLD = 4
+
+
+def hsdp_mesh(world: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _hsdp_job(rank: int, world: int, store: str, root: str) -> None:
+    """The checkpointed configs on a 2-D mesh (``fully_shard`` on it is HSDP: each param
+    sharded over the second dimension, replicated over the first; every rank a data-parallel
+    rank): the first HALF steps recorded (lockstep with one process), then a DCP checkpoint
+    that the FSDP2 job (2 ranks) loads."""
+    _init(rank, world, store)
+    mesh = hsdp_mesh(world)
+    out: dict[str, Any] = {}
+    for config in CHECKPOINTED:
+        model = shard_model(make_model(), mesh)
+        opt = make_optimizer(config, model.parameters())
+        out[f"records_{config}"] = train(
+            config, model, opt, batches_for(config)[:HALF], rank, world
+        )
+        out[f"placements_{config}"] = [
+            (tuple(p.placements), tuple(v.placements for v in opt.state[p].values()))
+            for p in model.parameters()
+        ]
+        dcp_save(model, opt, Path(root) / f"hsdp_{config}")
+        out[f"saved_{config}"] = full_state(model, opt)
+    _finish(out, Path(root) / f"hsdp_rank{rank}.pt")
+
+
+def _fsdp_from_hsdp(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]:
+    """4 ranks (HSDP) -> 2 ranks (FSDP2): load, then the remaining steps (recorded)."""
+    out: dict[str, Any] = {}
+    for config in CHECKPOINTED:
+        model = shard_model(make_model(), mesh)
+        opt = make_optimizer(config, model.parameters())
+        dcp_load(model, opt, root / f"hsdp_{config}")
+        out[f"loaded_hsdp_{config}"] = full_state(model, opt)
+        out[f"records_resumed_hsdp_{config}"] = train(
+            config, model, opt, batches_for(config)[HALF:], rank, WORLD
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,6 +766,9 @@ def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
     out["inf_transform"] = _fsdp_inf_transform(mesh, rank)
     out["inf_stepper"] = _fsdp_inf_stepper(mesh, rank)
     out.update(_fsdp_checkpoints(mesh, rank, Path(root)))
+    out["accumulation"] = _fsdp_accumulation(mesh, rank)
+    out["fp16"] = _fsdp_fp16(mesh, rank)
+    out.update(_fsdp_from_hsdp(mesh, rank, Path(root)))
     _finish(out, Path(root) / f"fsdp_rank{rank}.pt")
 
 
@@ -505,6 +802,7 @@ def _ddp_job(rank: int, world: int, store: str, root: str) -> None:
     for config in CONFIGS:
         out.update(_ddp_train(config, rank, world))
     out["nonfinite"] = _ddp_nonfinite(rank)
+    out["accumulation"] = _ddp_accumulation(rank)
     _finish(out, Path(root) / f"ddp_rank{rank}.pt")
 
 
@@ -521,16 +819,25 @@ def _ddp_train(config: str, rank: int, world: int) -> dict[str, Any]:
 # Fixtures: a single-process checkpoint, then one spawned job per engine.
 
 
-def spawn(job: Callable[..., None], root: Path, name: str) -> list[dict[str, Any]]:
-    """Run ``job`` on WORLD spawned ranks; a rank's exception fails the test with its traceback.
+def spawn(
+    job: Callable[..., None], root: Path, name: str, world: int = WORLD
+) -> list[dict[str, Any]]:
+    """Run ``job`` on ``world`` spawned ranks; a rank's exception fails the test with its traceback.
 
     A job that outlives JOB_TIMEOUT is killed: it fails the test, unless every rank had already
     written its results (then it hung on exit, in torch's gloo teardown: ``ProcessGroupGloo``'s
     destructor can deadlock with its worker thread over the GIL; not what is tested here).
     """
-    files = [root / f"{name}_rank{r}.pt" for r in range(WORLD)]
+    files = [root / f"{name}_rank{r}.pt" for r in range(world)]
+    # Ranks fork from a server process that imported this module once (start-up is mostly
+    # imports: about 2.5 s of CPU per process, times 8 ranks, on a 2-core machine).
+    multiprocessing.set_forkserver_preload([job.__module__])
     context = mp.start_processes(
-        job, args=(WORLD, str(root / f"{name}.store"), str(root)), nprocs=WORLD, join=False
+        job,
+        args=(world, str(root / f"{name}.store"), str(root)),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + JOB_TIMEOUT
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -562,7 +869,12 @@ def single(root: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fsdp(root: Path, single: dict[str, Any]) -> list[dict[str, Any]]:
+def hsdp(root: Path) -> list[dict[str, Any]]:
+    return spawn(_hsdp_job, root, "hsdp", HSDP_WORLD)
+
+
+@pytest.fixture(scope="module")
+def fsdp(root: Path, single: dict[str, Any], hsdp: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return spawn(_fsdp_job, root, "fsdp")
 
 
@@ -860,3 +1172,117 @@ def test_stepper_process_group_option() -> None:
     assert MixedPrecisionOptimizationStepper(opt, process_group=None).process_group is None
     with pytest.raises(ValueError, match="process_group"):
         MixedPrecisionOptimizationStepper(opt, process_group="world")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Gradient accumulation synchronises gradients once per optimizer step.
+
+
+@pytest.fixture(scope="module")
+def exact_single() -> dict[str, Any]:
+    """The accumulation run in one process; its float32 params equal its float64 twin's bit for
+    bit (every operation was exact, so any order of the same sums gives these bits)."""
+    run = accumulate(exact_model(), 0, 1)
+    wide = accumulate(exact_model(torch.float64), 0, 1, dtype=torch.float64)
+    for narrow, exact in zip(run["params"], wide["params"], strict=True):
+        for name, p in narrow.items():
+            assert torch.equal(p.double(), exact[name]), f"{name} was rounded"
+    assert run["steps"] == 2 and run["skipped"] == 1
+    return run
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "ddp"])
+def test_accumulation_syncs_once_per_optimizer_step(
+    engine: str, request: pytest.FixtureRequest
+) -> None:
+    """Gradient syncs per call over ACC_CALLS calls of a window of 4 (the second window is
+    dropped on its second call): every micro-batch without ``sync_modules``, only each window's
+    last one with it; a ``data_parallel_context`` is called once per optimizer step."""
+    for result in request.getfixturevalue(engine):
+        acc = result["accumulation"]
+        every, deferred = acc["every"]["syncs"], acc["deferred"]["syncs"]
+        g = every[0]  # one reduce-scatter per FSDP2 param group, one all-reduce per DDP bucket
+        assert g == (2 if engine == "fsdp" else 1)
+        assert every == [g, g, g, g, g, 0, g, g, g, g]
+        assert deferred == [0, 0, 0, g, 0, 0, 0, 0, 0, g]
+        if engine == "ddp":
+            assert acc["context"]["syncs"] == [0, 0, 0, 4, 0, 0, 0, 0, 0, 4]  # one per param
+            assert acc["context_calls"] == 2
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "ddp"])
+def test_accumulation_without_sync_gives_the_same_numbers(
+    engine: str, request: pytest.FixtureRequest, exact_single: dict[str, Any]
+) -> None:
+    """Deferred, every-micro-batch and explicit (context) syncs, and one process: the same bits
+    after every call (exact arithmetic). A window dropped after a backward without sync leaves
+    nothing behind (FSDP2 keeps such gradients unsharded, out of ``optimizer.zero_grad``'s
+    reach)."""
+    for result in request.getfixturevalue(engine):
+        for name, run in result["accumulation"].items():
+            if isinstance(run, dict):
+                assert (run["steps"], run["skipped"]) == (2, 1), name
+                assert_bitwise(run["params"], exact_single["params"], f"{engine} {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. fp16 loss scaling under FSDP2.
+
+
+def test_fsdp_fp16_overflow_on_one_rank_skips_everywhere(fsdp: list[dict[str, Any]]) -> None:
+    for result in fsdp:
+        first, overflow, after = result["fp16"]["windows"]
+        # Nothing is half-updated: params, moments and counters exactly as before, on the rank
+        # whose shard got the Inf and on the other alike.
+        assert_bitwise(overflow["state"], first["state"])
+        assert float(overflow["used_scale"]) == float(first["scale"]) == 2.0**16
+        assert float(overflow["scale"]) == 2.0**15  # backed off once
+        assert (overflow["overflows"], after["overflows"]) == (1, 1)
+        assert max_diff(after["state"], overflow["state"], "param/") > 0  # training goes on
+        assert result["fp16"]["steps"] == 2
+    assert_bitwise(fsdp[1]["fp16"], fsdp[0]["fp16"])  # the scale too, on every rank
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. HSDP (2 replicas x 2 shards on 4 ranks).
+
+
+@pytest.mark.parametrize("config", CHECKPOINTED)
+def test_hsdp_matches_single_process(config: str, hsdp: list[dict[str, Any]]) -> None:
+    """In lockstep with one process; a ``(Replicate, Shard)`` norm sums 2 shards' partials."""
+    for result in hsdp:
+        for param, state in result[f"placements_{config}"]:
+            assert param == (Replicate(), Shard(0))
+            assert all(s == param for s in state)  # state sharded like the params
+    check_lockstep(config, hsdp, f"records_{config}", exact=False)
+
+
+@pytest.mark.parametrize("config", CHECKPOINTED)
+def test_dcp_hsdp_four_ranks_to_fsdp_two_ranks(
+    config: str, fsdp: list[dict[str, Any]], hsdp: list[dict[str, Any]]
+) -> None:
+    for result in fsdp:
+        assert_identical(result[f"loaded_hsdp_{config}"], hsdp[0][f"saved_{config}"])
+    check_lockstep(config, fsdp, f"records_resumed_hsdp_{config}", exact=False)
+
+
+def test_stepper_sync_modules_option() -> None:
+    model = make_model()
+    opt = TransformOptimizer(model.parameters(), fo.adam(1e-2))
+    with pytest.raises(ValueError, match="no DistributedDataParallel or fully_shard"):
+        MixedPrecisionOptimizationStepper(opt, sync_modules=model)  # nothing to defer
+    with pytest.raises(ValueError, match=r"sync_modules\[1\] must be an nn"):
+        MixedPrecisionOptimizationStepper(opt, sync_modules=[model, "model"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="sync_modules must be an nn"):
+        MixedPrecisionOptimizationStepper(opt, sync_modules=3)  # type: ignore[arg-type]
+
+
+def test_stepper_rejects_a_data_parallel_context_without_sync_gradients() -> None:
+    model = make_model()
+    stepper = MixedPrecisionOptimizationStepper(
+        TransformOptimizer(model.parameters(), fo.adam(1e-2))
+    )
+    trainer = Trainer(model, 0, 1)
+    trainer.data_parallel_context = object()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="sync_gradients"):
+        stepper.step(trainer, make_batches(1)[0])
