@@ -405,6 +405,22 @@ def gradient_syncs(calls: list[Collective]) -> int:
     )
 
 
+def _fsdp_step_collectives(mesh: DeviceMesh, rank: int) -> dict[str, list[Collective]]:
+    """The collectives of one optimizer step (after a first one) of the clipping configs."""
+    out = {}
+    for config in CHECKPOINTED:
+        model = shard_model(make_model(), mesh)
+        opt = make_optimizer(config, model.parameters())
+        for batch in make_batches(2):
+            x, y = local(batch, rank, WORLD)
+            nn.functional.mse_loss(model(x), y).backward()
+            with CollectiveLog() as log:
+                opt.step()
+            opt.zero_grad()
+        out[config] = log.calls
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Gradient accumulation without extra syncs: exact arithmetic, so every order gives the same bits.
 
@@ -768,6 +784,7 @@ def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
     out.update(_fsdp_checkpoints(mesh, rank, Path(root)))
     out["accumulation"] = _fsdp_accumulation(mesh, rank)
     out["fp16"] = _fsdp_fp16(mesh, rank)
+    out["step_collectives"] = _fsdp_step_collectives(mesh, rank)
     out.update(_fsdp_from_hsdp(mesh, rank, Path(root)))
     _finish(out, Path(root) / f"fsdp_rank{rank}.pt")
 
@@ -1223,6 +1240,34 @@ def test_accumulation_without_sync_gives_the_same_numbers(
             if isinstance(run, dict):
                 assert (run["steps"], run["skipped"]) == (2, 1), name
                 assert_bitwise(run["params"], exact_single["params"], f"{engine} {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b. The collectives of a sharded step (the CollectiveLog harness).
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(
+            "dreamerv3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 18: the gradient norms and the parameter norms are two all-reduces",
+            ),
+        ),
+        "transform",
+    ],
+)
+def test_fsdp_step_resolves_its_norms_in_one_collective(
+    config: str, fsdp: list[dict[str, Any]]
+) -> None:
+    """An optimizer step on FSDP2 shards communicates only to resolve norms, and all the norms of
+    one step (per tensor, global) in one all-reduce."""
+    for result in fsdp:
+        calls = result["step_collectives"][config]
+        assert all(c.kind == "all_reduce" for c in calls), calls  # the rest runs on the shards
+        assert len(calls) == 1, calls
 
 
 # ----------------------------------------------------------------------------------------------
