@@ -1,16 +1,25 @@
-"""Distributed training (issue 5): DDP and FSDP2 (``DTensor``) give the numbers of one process.
+"""Distributed training (issues 5 and 18): DDP, FSDP2 and HSDP (``DTensor``) give the numbers of
+one process; gradient accumulation synchronises once per optimizer step.
 
-Two spawned jobs of 2 ranks each (CPU, gloo, a ``FileStore`` rendezvous in ``tmp_path``) do all
-the distributed work, so process start-up is paid twice; each writes what it measured to
-``rank<r>.pt`` and the tests below compare it with single-process runs done here:
+Three spawned jobs (CPU, gloo, a ``FileStore`` rendezvous in ``tmp_path``; the ranks fork from a
+server process that imported this module once) do all the distributed work; each rank writes
+what it measured to ``<job>_rank<r>.pt`` and the tests below compare it with single-process runs
+done here. Every job runs under a deadline (``JOB_TIMEOUT``), so a hung rank fails its tests.
 
-* FSDP2 job: the three training configs (``DreamerV3Optimizer``; ``TransformOptimizer`` with
-  ``clip_by_global_norm(0.1)`` + ``adam``; the stepper with accumulation 2 and clipping), the
-  functional clipping transforms on ``DTensor`` inputs, an ``Inf`` gradient in one rank's shard
-  (``apply_if_finite`` and the stepper's guard), and ``torch.distributed.checkpoint`` round trips
-  (2 ranks -> 2 ranks, 1 process -> 2 ranks; 2 ranks -> 1 process is loaded here).
-* DDP job: the three configs, and a non-finite loss on one rank (inside and at the end of an
-  accumulation window) with the stepper.
+* HSDP job (4 ranks, a 2 x 2 mesh): the two checkpointed configs, then a DCP checkpoint.
+* FSDP2 job (2 ranks): the three training configs (``DreamerV3Optimizer``; ``TransformOptimizer``
+  with ``clip_by_global_norm(0.1)`` + ``adam``; the stepper with accumulation 2 and clipping),
+  the functional clipping transforms on ``DTensor`` inputs, an ``Inf`` gradient in one rank's
+  shard (``apply_if_finite`` and the stepper's guard), ``torch.distributed.checkpoint`` round
+  trips (2 ranks -> 2 ranks, 1 process -> 2 ranks, the HSDP job's 4 ranks -> 2 ranks; 2 ranks ->
+  1 process is loaded here), accumulation with and without gradient sync (counted), fp16 loss
+  scaling with an overflow on one rank, and the collectives of one optimizer step.
+* DDP job (2 ranks): the three configs, a non-finite loss on one rank (inside and at the end of
+  an accumulation window) with the stepper, and accumulation with ``no_sync`` and with a
+  trainer's ``data_parallel_context``.
+
+Collectives are counted by :class:`CollectiveLog`, a dispatch mode that sees those of
+``torch.distributed``, of ``DTensor`` and of DDP's and FSDP2's own machinery.
 
 Comparisons with one process follow the suite's tolerance rule (``tests/README.md``) in
 lockstep: every optimizer step of a rank is recorded (whole params, gradients and optimizer
