@@ -55,6 +55,14 @@ from functional_opt.base import (
 from functional_opt.checkpoint import state_paths
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
+from .packed_group import (
+    NotPackable,
+    PackedGroup,
+    flatten_to_packed,
+    packable,
+    templates_by_name,
+)
+
 __all__ = ["GROUP_STATE_KEY", "ParamSlots", "TransformOptimizer"]
 
 GROUP_STATE_KEY = "transform_state"
@@ -196,6 +204,7 @@ class _Layout:
     group_template: dict[str, Tensor]
     scratch: dict[str, Tensor] = field(default_factory=dict)
     checked: dict[str, Any] = field(default_factory=dict)  # numeric option -> value validated
+    engine: Any = None  # the group's PackedGroup once made; False: the group cannot use one
 
 
 class TransformOptimizer(torch.optim.Optimizer):
@@ -264,6 +273,19 @@ class TransformOptimizer(torch.optim.Optimizer):
 
     upcast_16bit_grads: ClassVar[bool] = False
     """Feed float16/bfloat16 gradients to the transform in float32."""
+
+    fused_steps: bool = True
+    """Step groups on the engine where possible (see :mod:`functional_opt.adapters.packed_group`):
+    a fusable transform (``functional_opt.base.fusable``: the library's elementwise transforms
+    and chains of them) over plain dense params on one device, every gradient present, runs as
+    one compiled update over flat gradient and state buffers, and ``optimizer.state[p]`` holds
+    views of those buffers. The first such step compiles (seconds), so only groups of at least
+    ``fused_min_numel`` elements (default ``2**20``) take it; smaller ones step through the
+    per-tensor path, which is as fast for them. Set ``fused_steps = False`` (on the class or
+    the instance) to step every group through the per-tensor path."""
+
+    fused_min_numel: int = 2**20
+    """The smallest group (in elements) that steps on the engine (see :attr:`fused_steps`)."""
 
     def __init__(
         self,
@@ -714,6 +736,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         for option, arg in layout.numeric.items():
             layout.hyper[arg].fill_(group[option])
         group_state = self._group_state_in(group, layout)
+        engine = self._engine(layout, params, grads)
+        if engine is not None:
+            self._engine_update(layout, group, params, grads, engine, group_state)  # type: ignore[arg-type]
+            return
         outer: list[Any] = []
         for slot in layout.slots:
             if slot.kind == "param":
@@ -770,6 +796,68 @@ class TransformOptimizer(torch.optim.Optimizer):
                 torch._foreach_add_(ps, us)
             else:
                 torch._foreach_add_(ps, us, alpha=ratio)
+        self._group_state_out(group, layout)
+
+    def _engine(
+        self, layout: _Layout, params: list[Tensor], grads: list[Tensor | None]
+    ) -> PackedGroup | None:
+        """The group's :class:`PackedGroup` when this step can run on it, else ``None``."""
+        if not self.fused_steps or layout.engine is False:
+            return None
+        if layout.engine is None and sum(p.numel() for p in params) < self.fused_min_numel:
+            return None
+        if not packable(layout.tx, params, grads, layout.param_template):
+            return None
+        if layout.engine is None:
+            try:
+                templates = templates_by_name(layout.param_template, params)
+                layout.engine = PackedGroup(params, templates, layout.tx, ParamSlots)
+            except NotPackable:
+                layout.engine = False
+                return None
+        engine: PackedGroup = layout.engine
+        return engine
+
+    def _engine_update(
+        self,
+        layout: _Layout,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        engine: PackedGroup,
+        group_state: dict[str, Tensor],
+    ) -> None:
+        engine.adopt_state([self.state[p] for p in params])
+        outer: list[Any] = []
+        for slot in layout.slots:
+            if slot.kind == "param":
+                outer.append(engine.packed_state(slot.name))
+            elif slot.kind == "hyper":
+                outer.append(layout.hyper[slot.name])
+            elif slot.kind == "group":
+                outer.append(group_state[slot.name])
+            else:
+                outer.append(None)
+        state = optree.tree_unflatten(layout.spec, outer)
+        ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
+        new_state = engine.step(params, grads, state, ratio)
+        new_outer, spec = flatten_to_packed(new_state, ParamSlots)
+        if spec != layout.spec:
+            raise RuntimeError(
+                f"the transform changed its state structure: {layout.spec} -> {spec}"
+            )
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        for slot, old, new in zip(layout.slots, outer, new_outer, strict=True):
+            if slot.kind == "param" and new is not old:
+                engine.write_back(slot.name, new)
+            elif slot.kind == "group" and new is not old:
+                dst.append(old)
+                src.append(new)
+        if dst:
+            dst_ids = {id(t) for t in dst}
+            src = [s.clone() if id(s) in dst_ids else s for s in src]
+            torch._foreach_copy_(dst, src)
         self._group_state_out(group, layout)
 
     def state_dict(self) -> dict[str, Any]:

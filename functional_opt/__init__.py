@@ -32,9 +32,12 @@ from functional_opt.base import (
     identity,
     named_chain,
     safe_increment,
+    stateless,
+    stateless_with_tree_map,
 )
 from functional_opt.checkpoint import state_from_dict, state_to_dict
 from functional_opt.dreamerv3 import dreamerv3, dreamerv3_schedule
+from functional_opt.engine import fused
 from functional_opt.metrics import dreamerv3_metrics
 from functional_opt.packed import Packed, pack
 from functional_opt.schedules import (
@@ -106,6 +109,7 @@ from functional_opt.transforms.scaling import (
 from functional_opt.transforms.target import incremental_update, periodic_update
 from functional_opt.transforms.trust_ratio import scale_by_trust_ratio
 from functional_opt.transforms.weight_decay import add_decayed_weights
+from functional_opt.tree import global_norm, tree_map
 
 __version__ = "0.1.0"
 
@@ -155,6 +159,8 @@ __all__ = [
     "exponential_decay",
     "freeze",
     "from_torch",
+    "fused",
+    "global_norm",
     "identity",
     "incremental_update",
     "inject_hyperparams",
@@ -200,8 +206,11 @@ __all__ = [
     "snapshot",
     "state_from_dict",
     "state_to_dict",
+    "stateless",
+    "stateless_with_tree_map",
     "trace",
     "tree",
+    "tree_map",
     "update_norm",
     "update_not_finite",
     "update_rms",

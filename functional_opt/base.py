@@ -29,17 +29,20 @@ __all__ = [
     "accepting",
     "chain",
     "check_extra",
+    "declare_fusable",
     "declare_step_size",
     "describe",
     "donating",
     "donating_updates",
     "expect_state",
     "extra_keywords",
+    "fusable",
     "identity",
     "named_chain",
     "safe_increment",
     "state_donation",
     "stateless",
+    "stateless_with_tree_map",
     "step_size",
     "without_donation",
     "zero_count",
@@ -307,6 +310,28 @@ def _chain_step_size(transforms: tuple[GradientTransformation, ...]) -> StepSize
     return StepSize(total, True)
 
 
+_FUSABLE = "__functional_opt_fusable__"
+
+
+def declare_fusable(
+    update: Callable[..., Any], declared: bool | Callable[[], bool] = True
+) -> Callable[..., Any]:
+    """Declares that ``update`` does its math through ``tree.split(updates, elementwise=True)``
+    and the list helpers (``declared()``: whether it does, for a wrapper that depends on its
+    members), so the engine (:mod:`functional_opt.engine`) may compile it over packed buffers;
+    returns ``update``."""
+    setattr(update, _FUSABLE, declared if callable(declared) else (lambda: declared))
+    return update
+
+
+def fusable(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` declares that its math is elementwise over packed buffers (see
+    :func:`declare_fusable`): the library's elementwise transforms, and chains and wrappers
+    made only of them. A transform that declares nothing is not."""
+    declared = getattr(tx.update, _FUSABLE, None)
+    return bool(declared is not None and declared())
+
+
 def describe(state: Any) -> str:
     """A short description of a state's kind for error messages, e.g. ``a tuple of 2 states``
     or ``a ScaleByAdamState``."""
@@ -329,13 +354,17 @@ def expect_state(state: Any, kind: type | tuple[type, ...], where: str) -> None:
 
 
 def stateless(
-    fn: Callable[[Updates, Params | None], Updates], name: str | None = None
+    fn: Callable[[Updates, Params | None], Updates],
+    name: str | None = None,
+    *,
+    elementwise: bool = False,
 ) -> GradientTransformation:
     """A transform without state: ``update`` returns ``fn(updates, params)`` and the
     ``EmptyState`` it was given. Given ``params``, it refuses updates of another shape (naming
     the leaf), as every transform does. It accepts the library's extra keywords only
     (:func:`check_extra`); ``name`` (default: the function that made ``fn``) names it in
-    errors."""
+    errors. ``elementwise=True`` declares that ``fn`` splits its updates with
+    ``tree.split(updates, elementwise=True)`` (see :func:`declare_fusable`)."""
     where = name or fn.__qualname__.split(".<locals>")[0]
 
     def init_fn(params: Params) -> EmptyState:
@@ -357,12 +386,34 @@ def stateless(
             tree.split(updates, elementwise=True)[1].take(params, "params")
         return fn(updates, params), state
 
+    declare_fusable(update_fn, elementwise)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
+
+
+def stateless_with_tree_map(
+    fn: Callable[[Tensor, Tensor | None], Tensor],
+    name: str | None = None,
+    *,
+    elementwise: bool = False,
+) -> GradientTransformation:
+    """A stateless transform applying ``fn(u, p)`` to each update leaf ``u`` and its param
+    ``p`` (``None`` when ``update`` gets no params); ``None`` updates stay ``None``. With
+    ``elementwise=True`` (``fn`` computes each element from the elements at the same place)
+    packed trees are mapped buffer by buffer and the engine may fuse it (see
+    :func:`stateless`)."""
+    where = name or getattr(fn, "__qualname__", "stateless_with_tree_map").split(".<locals>")[0]
+
+    def apply(updates: Updates, params: Params | None) -> Updates:
+        if params is None:
+            return tree.tree_map(lambda u: fn(u, None), updates, elementwise=elementwise)
+        return tree.tree_map(fn, updates, params, elementwise=elementwise)
+
+    return stateless(apply, where, elementwise=elementwise)
 
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged: ``u -> u``."""
-    return stateless(lambda updates, params: updates, "identity")
+    return stateless(lambda updates, params: updates, "identity", elementwise=True)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -411,6 +462,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_states)
 
     declare_step_size(update_fn, lambda: _chain_step_size(transforms))
+    declare_fusable(update_fn, lambda: all(fusable(t) for t in transforms))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
@@ -436,6 +488,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         return updates, dict(zip(names, states, strict=True))
 
     declare_step_size(update_fn, inner_step_size(inner))
+    declare_fusable(update_fn, lambda: fusable(inner))
     return GradientTransformation(init_fn, accepting(update_fn, extra_keywords(inner)))
 
 

@@ -211,6 +211,21 @@ class Layout:
         self._plans["runs"] = plan
         return plan
 
+    def prepare(self) -> Layout:
+        """Computes the derived plans the elementwise transforms read (:meth:`present`, the
+        runs), once: called before compiled code runs, so that a graph never sees them made."""
+        self.present()
+        self._runs_plan()
+        return self
+
+    def present(self) -> list[int]:
+        """The leaves that are not ``None``, by flat position (made once per layout)."""
+        index = self._plans.get("present")
+        if index is None:
+            index = [i for i, slot in enumerate(self.slots) if slot is not None]
+            self._plans["present"] = index
+        return index  # type: ignore[no-any-return]
+
     def runs(self, buffer: int) -> list[tuple[int, int, int]]:
         """The runs of ``buffer``: ``(start, count, size)`` for each stretch of consecutive
         leaves of one size, in offset order (the rows of a ``count x size`` matrix)."""

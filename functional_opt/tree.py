@@ -38,10 +38,12 @@ __all__ = [
     "difference",
     "first_difference",
     "flatten",
+    "global_norm",
     "leaves",
     "map_params",
     "path_str",
     "split",
+    "tree_map",
     "unflatten",
 ]
 
@@ -79,6 +81,42 @@ def map_params(fn: Callable[[Tensor], Any], params: PyTree, *, elementwise: bool
     return optree.tree_map(
         lambda x: None if x is None else fn(x), params, none_is_leaf=True, namespace=NAMESPACE
     )
+
+
+def tree_map(
+    fn: Callable[..., Any], tree: PyTree, *rest: PyTree, elementwise: bool = False
+) -> PyTree:
+    """``fn(x, *ys)`` at every tensor leaf ``x`` of ``tree`` (with the leaves of ``rest`` at
+    the same place), for writing transforms: it knows the library's node types (packed trees,
+    the adapters' param slots, loss scales), and a ``None`` leaf of ``tree`` (no gradient) stays
+    ``None`` without calling ``fn``.
+
+    With ``elementwise=True`` (``fn`` computes each element from the elements at the same
+    place, like ``torch.sign`` or ``a + 0.1 * b``) packed trees held in buffers with one layout
+    are mapped buffer by buffer: a few ops whatever the number of leaves, which the engine
+    (:func:`functional_opt.fused`) compiles into single-pass kernels."""
+    if elementwise and _is_buffered(tree):
+        others: list[Any] = list(rest)
+        if all(_is_buffered(o) and _same_layout(o.layout, tree.layout) for o in others):
+            buffers = [
+                fn(*xs) for xs in zip(tree.buffers, *(o.buffers for o in others), strict=True)
+            ]
+            return _PACKED(tree.layout, buffers=buffers)
+    return optree.tree_map(
+        lambda x, *ys: None if x is None else fn(x, *ys),
+        tree,
+        *rest,
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+
+
+def global_norm(tree: PyTree) -> Tensor:
+    """``sqrt(sum ||x||^2)`` over the tensor leaves of ``tree`` (``None`` leaves ignored), in at
+    least float32; over the buffers of a packed tree, the gaps between leaves left out."""
+    xs, at = split(tree, elementwise=True)
+    norm: Tensor = at.global_norm(xs)
+    return norm
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -227,7 +265,7 @@ class Leaves:
         if spec != self.spec:
             return self.flat(tree, name)  # (raises, naming the first difference)
         for x, y in zip(self.values, values, strict=True):
-            if _is_buffered(x) and not (_is_buffered(y) and x.layout == y.layout):
+            if _is_buffered(x) and not (_is_buffered(y) and _same_layout(x.layout, y.layout)):
                 raise ValueError(f"{name}: a packed tree in it is not packed like the other")
         return values
 
@@ -412,6 +450,17 @@ def split(updates: PyTree, *, elementwise: bool = False) -> tuple[list[Tensor], 
     return list(where.present()), where
 
 
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two layouts are equal. Under ``torch.compile`` compared by value only (no
+    identity shortcut, which would become a guard on the objects and recompile when an equal
+    layout of another packed tree comes in)."""
+    if a is None or b is None:
+        return False
+    if not torch.compiler.is_compiling():
+        return bool(a == b)
+    return bool(a._hash == b._hash and a.sizes == b.sizes and a.slots == b.slots)
+
+
 class BufferLeaves:
     """The record of :func:`split` ``(elementwise=True)`` for a packed tree held in buffers: the
     tensors are the buffers (see :mod:`functional_opt.packed`) and every other tree the transform
@@ -426,7 +475,7 @@ class BufferLeaves:
         self.layout = packed.layout
         self.reference = packed
         self.kind = kind
-        self.index = [i for i, slot in enumerate(self.layout.slots) if slot is not None]
+        self.index = self.layout.present()
         self.complete = True
         for b in packed.buffers:
             if not (b.dtype.is_floating_point or b.dtype.is_complex):
@@ -447,9 +496,9 @@ class BufferLeaves:
         layout = self.layout
         other: Any = tree
         if type(other) is _PACKED:
-            if other.layout is layout or other.layout == layout:
+            if _same_layout(other.layout, layout):
                 return list(other.buffers)
-            if other.structure == layout.structure and not torch.compiler.is_compiling():
+            if other.structure == layout.structure:
                 gathered: list[Tensor] = layout.gather(other.tree, name)
                 return gathered
         where = difference(self.reference, tree) if not torch.compiler.is_compiling() else None
@@ -463,9 +512,13 @@ class BufferLeaves:
         return _PACKED(self.layout, buffers=list(present))  # type: ignore[misc]
 
     def carry(self, old: PyTree, present: Sequence[Tensor], name: str = "state") -> PyTree:
-        """``old``'s successor: the packed tree with buffers ``present``."""
-        del old, name
-        return _PACKED(self.layout, buffers=list(present))  # type: ignore[misc]
+        """``old``'s successor: the packed tree with buffers ``present``, in ``old``'s layout
+        object when it has one (equal to this one), so a state keeps the layout it was made
+        with from step to step (under ``torch.compile`` which objects are the same is part of
+        what a compiled graph assumes)."""
+        del name
+        layout = old.layout if _is_buffered(old) else self.layout
+        return _PACKED(layout, buffers=list(present))  # type: ignore[misc]
 
     def _leaf_vector(self, pieces: list[Tensor]) -> Tensor:
         """Per-run values (concatenated in run order) put back in leaf order."""

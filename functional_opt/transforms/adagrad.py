@@ -15,6 +15,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     donating,
     expect_state,
 )
@@ -46,7 +47,9 @@ def scale_by_rss(
 
     def init_fn(params: Params) -> ScaleByRssState:
         return ScaleByRssState(
-            tree.map_params(lambda p: torch.zeros_like(p) + initial_accumulator_value, params)
+            tree.map_params(
+                lambda p: torch.zeros_like(p) + initial_accumulator_value, params, elementwise=True
+            )
         )
 
     def update_fn(
@@ -55,7 +58,7 @@ def scale_by_rss(
         del params
         check_extra(extra, "scale_by_rss")
         expect_state(state, ScaleByRssState, "scale_by_rss")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         old = at.take(state.sum_of_squares, "state.sum_of_squares")
         squares = _lists.square(_lists.cast(g, _lists.promoted(old, g)))
         # s * 1 + |u|^2: exact in s, one rounding of the sum, written into s when donated
@@ -65,4 +68,5 @@ def scale_by_rss(
             at.carry(state.sum_of_squares, _lists.like(sums, old), "state.sum_of_squares")
         )
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

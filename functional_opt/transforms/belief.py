@@ -15,6 +15,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     donating,
     expect_state,
     safe_increment,
@@ -58,8 +59,8 @@ def scale_by_belief(
     def init_fn(params: Params) -> ScaleByBeliefState:
         return ScaleByBeliefState(
             zero_count(),
-            tree.map_params(torch.zeros_like, params),
-            tree.map_params(torch.zeros_like, params),
+            tree.map_params(torch.zeros_like, params, elementwise=True),
+            tree.map_params(torch.zeros_like, params, elementwise=True),
         )
 
     def update_fn(
@@ -69,7 +70,7 @@ def scale_by_belief(
         check_extra(extra, "scale_by_belief")
         expect_state(state, ScaleByBeliefState, "scale_by_belief")
         donate = donating(extra)
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         mu_old = at.take(state.mu, "state.mu")
         nu_old = at.take(state.nu, "state.nu")
         mu = _lists.moment(mu_old, g, b1, 1, donate=donate)
@@ -93,4 +94,5 @@ def scale_by_belief(
             at.carry(state.nu, _lists.like(nu, nu_old), "state.nu"),
         )
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -39,7 +39,7 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
                 )
         return at.updates(_lists.clamp(g, -max_delta, max_delta))
 
-    return stateless(apply)
+    return stateless(apply, elementwise=True)
 
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
@@ -57,7 +57,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return at.updates(_lists.mul(g, factor))
 
-    return stateless(apply)
+    return stateless(apply, elementwise=True)
 
 
 Axis = int | tuple[int, ...] | Literal["torch"] | None
@@ -241,4 +241,4 @@ def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> Grad
         pnorm = at.norm_vector(p)
         return at.updates(at.scale_leaves(g, agc_factors_from_norms(unorm, pnorm, clip, pmin)))
 
-    return stateless(apply)
+    return stateless(apply, elementwise=True)

@@ -14,9 +14,11 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     declare_step_size,
     expect_state,
     extra_keywords,
+    fusable,
     inner_step_size,
     safe_increment,
     without_donation,
@@ -115,4 +117,5 @@ def apply_if_finite(
 
     # skipped steps give zero updates: still proportional to the inner transform's step size
     declare_step_size(update_fn, inner_step_size(inner))
+    declare_fusable(update_fn, lambda: fusable(inner))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))

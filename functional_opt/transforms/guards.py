@@ -83,10 +83,10 @@ def set_to_zero() -> GradientTransformation:
 
     def apply(updates: Updates, params: Params | None) -> Updates:
         del params
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         return at.updates(negative_zeros_like(g))
 
-    return stateless(apply, "set_to_zero")
+    return stateless(apply, "set_to_zero", elementwise=True)
 
 
 def _check_mask(mask: Any) -> None:

@@ -19,8 +19,10 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     expect_state,
     extra_keywords,
+    fusable,
     safe_increment,
     zero_count,
 )
@@ -205,6 +207,7 @@ def inject_hyperparams(
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
             return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
 
+        declare_fusable(update_fn, fusable(probe))
         return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
     return wrapped

@@ -16,6 +16,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     donating,
     expect_state,
     safe_increment,
@@ -76,7 +77,9 @@ def scale_by_lion(
     _validate.finite("smooth_beta", smooth_beta)
 
     def init_fn(params: Params) -> ScaleByLionState:
-        mu = tree.map_params(lambda p: torch.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+        mu = tree.map_params(
+            lambda p: torch.zeros_like(p, dtype=mu_dtype or p.dtype), params, elementwise=True
+        )
         return ScaleByLionState(zero_count(), mu)
 
     def update_fn(
@@ -85,7 +88,7 @@ def scale_by_lion(
         del params
         check_extra(extra, "scale_by_lion")
         expect_state(state, ScaleByLionState, "scale_by_lion")
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         mu_old = at.take(state.mu, "state.mu")
         # the interpolation first: a donated momentum is overwritten by the new one below
         interpolated = _lists.moment(mu_old, g, b1, 1)
@@ -95,4 +98,5 @@ def scale_by_lion(
             safe_increment(state.count), at.carry(state.mu, _lists.like(mu, mu_old), "state.mu")
         )
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -20,6 +20,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     donating,
     expect_state,
     safe_increment,
@@ -140,6 +141,7 @@ def scale_by_rms(
             return at.updates(out), ScaleByRmsWithCountState(count, new_nu)
         return at.updates(out), ScaleByRmsState(new_nu)
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -224,6 +226,7 @@ def scale_by_stddev(
             return at.updates(out), ScaleByRStdDevWithCountState(count, new_mu, new_nu)
         return at.updates(out), ScaleByRStdDevState(new_mu, new_nu)
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -292,6 +295,7 @@ def scale_by_adam(
             at.carry(state.nu, _lists.like(nu, nu_old), "state.nu"),
         )
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -329,6 +333,7 @@ def trace(
         out = _lists.unshared(_lists.like(out, g), stored)
         return at.updates(out), TraceState(at.carry(state.trace, stored, "state.trace"))
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -376,4 +381,5 @@ def ema(
         out = _lists.unshared(_lists.like(out, g), stored)
         return at.updates(out), EmaState(count, at.carry(state.ema, stored, "state.ema"))
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

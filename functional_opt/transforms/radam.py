@@ -16,6 +16,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     donating,
     expect_state,
     safe_increment,
@@ -70,8 +71,8 @@ def scale_by_radam(
     def init_fn(params: Params) -> ScaleByAdamState:
         return ScaleByAdamState(
             zero_count(),
-            tree.map_params(torch.zeros_like, params),
-            tree.map_params(torch.zeros_like, params),
+            tree.map_params(torch.zeros_like, params, elementwise=True),
+            tree.map_params(torch.zeros_like, params, elementwise=True),
         )
 
     def update_fn(
@@ -81,7 +82,7 @@ def scale_by_radam(
         check_extra(extra, "scale_by_radam")
         expect_state(state, ScaleByAdamState, "scale_by_radam")
         donate = donating(extra)
-        g, at = tree.split(updates)
+        g, at = tree.split(updates, elementwise=True)
         mu_old = at.take(state.mu, "state.mu")
         nu_old = at.take(state.nu, "state.nu")
         mu = _lists.moment(mu_old, g, b1, 1, donate=donate)
@@ -106,4 +107,5 @@ def scale_by_radam(
             at.carry(state.nu, _lists.like(nu, nu_old), "state.nu"),
         )
 
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -17,6 +17,7 @@ from functional_opt.base import (
     Updates,
     accepting,
     constant_step_size,
+    declare_fusable,
     declare_step_size,
     donating,
     expect_state,
@@ -44,7 +45,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
         g, at = tree.split(updates, elementwise=True)
         return at.updates(_lists.mul(g, step_size))
 
-    tx = stateless(apply)
+    tx = stateless(apply, elementwise=True)
     declare_step_size(tx.update, lambda: constant_step_size(step_size, "its scale's step size"))
     return tx
 
@@ -75,6 +76,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         raise UnknownStepSize("its step size is a schedule built into it")
 
     declare_step_size(update_fn, declared)
+    declare_fusable(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 

@@ -1,0 +1,193 @@
+"""A param group's step on the engine: packed gradient and state buffers, one compiled update.
+
+``TransformOptimizer`` steps a group here when its transform is fusable
+(:func:`functional_opt.base.fusable`) and the group is plain: dense tensors on one device, every
+gradient present with its param's dtype, per-parameter state shaped like the params. Then
+
+* the per-parameter state lives in one flat buffer per (state entry, dtype), laid out as
+  ``functional_opt.pack`` lays out the params, and ``optimizer.state[p][name]`` is a view of it
+  (what ``state_dict()`` saves is unchanged; a state loaded or replaced by hand is copied back
+  into the buffers on the next step);
+* the gradients are copied into a flat buffer of the same layout (or already are, when the
+  optimizer put them there as bucket views: ``zero_grad(set_to_none=False)`` after the first
+  step keeps them in place);
+* the transform's update runs on these packed trees through :func:`functional_opt.engine.fused`
+  (compiled into single-pass kernels; the moments updated in their buffers, the update written
+  into the gradient buffer); the params come in as a loose packed tree, copied into a buffer
+  only if the transform reads them;
+* ``p += u`` is one multi-tensor add into the params' own storage, which the optimizer never
+  replaces (their storage identity, ties and aliases stay as they are).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from functional_opt import tree
+from functional_opt.base import DONATE, GradientTransformation, fusable
+from functional_opt.engine import fused
+from functional_opt.packed import Layout, Packed, pack
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+class PackedGroup:
+    """The buffers of one param group (made on its first packed step, rebuilt when the group's
+    params or transform change)."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        templates: dict[str, list[Tensor]],
+        tx: GradientTransformation,
+        slots_type: Callable[[Sequence[Any]], Any],
+    ) -> None:
+        self.slots_type = slots_type
+        stand_ins = slots_type([torch.empty_like(p, device="meta") for p in params])
+        self.layout: Layout = pack(stand_ins).layout  # type: ignore[assignment]
+        device = params[0].device
+        order = [self.layout.members(b) for b in range(len(self.layout.sizes))]
+        self.grads = [
+            torch.zeros(n, dtype=params[members[0]].dtype, device=device)
+            for n, members in zip(self.layout.sizes, order, strict=True)
+        ]
+        self.grad_views = self._views(self.grads, params)
+        self.state: dict[str, list[Tensor]] = {}
+        self.state_views: dict[str, list[Tensor]] = {}
+        for name, values in templates.items():
+            dtypes = [{values[i].dtype for i in members} for members in order]
+            if any(len(d) != 1 for d in dtypes):
+                raise NotPackable(f"state {name} mixes dtypes within one buffer")
+            buffers = [
+                torch.zeros(n, dtype=d.pop(), device=device)
+                for n, d in zip(self.layout.sizes, dtypes, strict=True)
+            ]
+            self.state[name] = buffers
+            self.state_views[name] = self._views(buffers, params)
+        self.update = fused(tx)
+
+    def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
+        views = self.layout.views(buffers)
+        return [v if v is not None else p for v, p in zip(views, params, strict=True)]
+
+    def adopt_state(self, entries: list[dict[str, Tensor]]) -> None:
+        """Make each ``entries[j][name]`` a view of this group's buffers (copying values that
+        live elsewhere: fresh state, or state loaded from a checkpoint)."""
+        for name, views in self.state_views.items():
+            current = [e[name] for e in entries]
+            if all(map(operator.is_, current, views)):
+                continue
+            moved = [(v, c) for v, c in zip(views, current, strict=True) if v is not c]
+            torch._foreach_copy_([v for v, _ in moved], [c for _, c in moved])
+            for e, v in zip(entries, views, strict=True):
+                e[name] = v
+
+    def packed_state(self, name: str) -> Packed:
+        return Packed(self.layout, buffers=self.state[name])
+
+    def step(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        state: Any,
+        ratio: float | Tensor,
+    ) -> Any:
+        """One update: gradients into the buffer, the fused update, ``p += ratio * u``.
+        Returns the new state tree (packed per-parameter subtrees)."""
+        if not all(map(operator.is_, grads, self.grad_views)):
+            torch._foreach_copy_(self.grad_views, grads)
+        updates = Packed(self.layout, buffers=self.grads)
+        loose_params = Packed(self.layout, tree=self.slots_type(params))
+        new_updates, new_state = self.update.update(updates, state, loose_params, **{DONATE: True})
+        if isinstance(new_updates, Packed) and new_updates.buffers is not None:
+            if all(map(operator.is_, new_updates.buffers, self.grads)):
+                views = self.grad_views
+            else:
+                views = self._views(list(new_updates.buffers), params)
+        else:
+            views = tree.leaves(
+                new_updates.tree if isinstance(new_updates, Packed) else new_updates
+            )
+        if isinstance(ratio, Tensor):
+            torch._foreach_add_(params, [u * ratio.to(u.device) for u in views])
+        elif ratio == 1.0:
+            torch._foreach_add_(params, views)
+        else:
+            torch._foreach_add_(params, views, alpha=ratio)
+        return new_state
+
+    def write_back(self, name: str, new: Any) -> None:
+        """Copy a new packed state subtree into the buffers (when the transform returned other
+        buffers than it was given)."""
+        if not isinstance(new, Packed) or new.buffers is None:
+            values = tree.leaves(new.tree if isinstance(new, Packed) else new)
+            torch._foreach_copy_(self.state_views[name], values)
+            return
+        for old, value in zip(self.state[name], new.buffers, strict=True):
+            if value is not old:
+                old.copy_(value)
+
+
+class NotPackable(Exception):
+    """The group cannot step on packed buffers (it steps through the generic path)."""
+
+
+def packable(
+    tx: GradientTransformation,
+    params: list[Tensor],
+    grads: list[Tensor | None],
+    templates: list[dict[str, Tensor]],
+) -> bool:
+    """Whether a group can step on packed buffers (see the module docstring)."""
+    if torch.compiler.is_compiling() or not params or not fusable(tx):
+        return False
+    device = params[0].device
+    for p, g in zip(params, grads, strict=True):
+        if g is None or type(p) not in _PLAIN or type(g) not in _PLAIN:
+            return False
+        if p.device != device or g.dtype != p.dtype or g.device != device or g.is_sparse:
+            return False
+        if p.layout != torch.strided:
+            return False
+    if len({id(p) for p in params}) != len(params):
+        return False
+    return all(
+        t.shape == p.shape
+        for p, entry in zip(params, templates, strict=True)
+        for t in entry.values()
+    )
+
+
+def templates_by_name(
+    templates: list[dict[str, Tensor]], params: list[Tensor]
+) -> dict[str, list[Tensor]]:
+    """Per state name, each param's template (meta tensors of the state's dtype)."""
+    names = sorted({n for t in templates for n in t})
+    out: dict[str, list[Tensor]] = {}
+    for name in names:
+        if not all(name in t for t in templates):
+            raise NotPackable(f"state {name} is not kept for every parameter")
+        out[name] = [t[name] for t in templates]
+    del params
+    return out
+
+
+def is_packed_leaf(x: Any) -> bool:
+    """optree ``is_leaf`` for flattening a state tree down to its packed subtrees."""
+    return isinstance(x, Packed)
+
+
+def flatten_to_packed(state: Any, slots_type: type) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``state`` down to its packed subtrees, param slots and group-level leaves."""
+    return optree.tree_flatten(
+        state,
+        is_leaf=lambda x: isinstance(x, (Packed, slots_type)),
+        none_is_leaf=True,
+        namespace=tree.NAMESPACE,
+    )

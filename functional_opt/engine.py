@@ -1,0 +1,149 @@
+"""The engine: any transform written with the library's tree helpers, compiled over packed buffers.
+
+A transform whose math goes through ``tree.split(updates, elementwise=True)`` and
+:mod:`functional_opt._lists` (every transform of the library except the per-leaf ones, and any
+a user writes the same way) runs over a packed tree (:mod:`functional_opt.packed`) as a handful
+of ops per buffer, whatever the number of leaves. :func:`fused` compiles that handful with
+``torch.compile`` into single-pass kernels: a whole ``chain(clip_by_global_norm, adamw)`` update
+is a norm and one elementwise kernel per buffer, with the moments updated in their own buffers
+(donated state) and the update written into the gradients' buffers (donated updates).
+
+The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
+injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
+changing them never recompiles. Trees that are not packed, packed trees with batch
+dimensions, and calls made while already compiling run the transform's own update unchanged.
+If compiling fails (before any of the compiled code ran) the update runs eagerly, with a
+warning, and that signature is not compiled again.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from functional_opt import tree
+from functional_opt.base import (
+    DONATE,
+    STATE_ONLY,
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    accepting,
+    declare_step_size,
+    extra_keywords,
+    inner_step_size,
+)
+from functional_opt.packed import Packed
+
+__all__ = ["fused"]
+
+
+def _buffered(x: Any) -> bool:
+    return isinstance(x, Packed) and x.buffers is not None and not x.structure.batch
+
+
+def _donated_step(
+    tx: GradientTransformation, extra: dict[str, Any]
+) -> Callable[[Updates, OptState, Params | None], tuple[Updates, OptState]]:
+    """The step that is compiled: ``tx.update``, and with donated updates the result written
+    into the updates' own buffers (where dtypes agree), so no buffer is allocated per step."""
+    into_updates = extra.get(DONATE) is True
+
+    def step(updates: Updates, state: OptState, params: Params | None) -> tuple[Updates, OptState]:
+        new, new_state = tx.update(updates, state, params, **extra)
+        if (
+            into_updates
+            and isinstance(new, Packed)
+            and new.buffers is not None
+            and tree._same_layout(new.layout, updates.layout)
+            and all(n.dtype == g.dtype for n, g in zip(new.buffers, updates.buffers, strict=True))
+        ):
+            for g, n in zip(updates.buffers, new.buffers, strict=True):
+                if n is not g:
+                    g.copy_(n)
+            new = Packed(updates.layout, buffers=list(updates.buffers))
+        return new, new_state
+
+    return step
+
+
+class _Runner:
+    """Compiled steps of one transform, by keyword signature."""
+
+    def __init__(self, tx: GradientTransformation) -> None:
+        self.tx = tx
+        self.steps: dict[tuple[Any, ...], Any] = {}
+        self.failed: set[tuple[Any, ...]] = set()
+
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None, extra: dict[str, Any]
+    ) -> tuple[Updates, OptState]:
+        flag = extra.get(DONATE, False)
+        if (
+            torch.compiler.is_compiling()
+            or not _buffered(updates)
+            or not (flag is True or flag is False or flag == STATE_ONLY)
+        ):
+            return self.tx.update(updates, state, params, **extra)
+        updates.layout.prepare()  # (plans made inside a graph would make it recompile)
+        key = tuple(sorted(extra.items()))
+        if key in self.failed:
+            return self.tx.update(updates, state, params, **extra)
+        step = self.steps.get(key)
+        first = step is None
+        if step is None:
+            fn = _donated_step(self.tx, extra)
+            # A code object of its own: dynamo caches compiled graphs per code object, and the
+            # steps of all transforms would otherwise share one cache (and its size limit).
+            own = types.FunctionType(
+                fn.__code__.replace(), fn.__globals__, fn.__name__, None, fn.__closure__
+            )
+            step = torch.compile(own, fullgraph=True, dynamic=False)
+            self.steps[key] = step
+        if not first:
+            return step(updates, state, params)  # type: ignore[no-any-return]
+        try:
+            return step(updates, state, params)  # type: ignore[no-any-return]
+        except torch._dynamo.exc.TorchDynamoException as err:
+            # (raised while tracing or compiling, before the compiled code ran)
+            out = self.tx.update(updates, state, params, **extra)  # a user error: as itself
+            self.failed.add(key)
+            del self.steps[key]
+            warnings.warn(
+                f"fused: torch.compile failed ({type(err).__name__}: {str(err)[:300]}); this "
+                "transform's update runs eagerly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return out
+
+
+def fused(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` with its update over packed trees compiled into single-pass kernels.
+
+    ``init`` is ``tx``'s. ``update(updates, state, params, **extra)`` equals ``tx.update`` on the
+    same arguments (bit for bit where inductor's kernels round as the eager ops do, and within
+    float rounding otherwise: compiled code may fuse ``a * b + c``). With ``donate=True`` the
+    result is written into the updates' buffers (and the moments into the state's), so a
+    training loop of ``fused(tx).update(g, s, p, donate=True)`` and
+    ``apply_updates(p, u, donate=True)`` allocates nothing per step.
+
+    Only packed trees held in buffers (:func:`functional_opt.pack`) without batch dimensions
+    take the compiled path; for them the first call compiles (seconds), later calls with the
+    same layout and keywords reuse it."""
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
+    runner = _Runner(tx)
+
+    def update_fn(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        return runner(updates, state, params, extra)
+
+    declare_step_size(update_fn, inner_step_size(tx))
+    return GradientTransformation(tx.init, accepting(update_fn, extra_keywords(tx)))

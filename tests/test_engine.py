@@ -1,0 +1,263 @@
+"""The engine: elementwise transforms over packed buffers, compiled by ``fo.fused`` and run by
+``TransformOptimizer`` on flat gradient and state buffers.
+
+Compiled code and eager code compute the same math with other roundings (inductor fuses the
+ops of a chain into one loop and may contract ``a * b + c``), so the comparisons are rule 2 of
+tests/README.md: ``ELEMENTWISE_OPS`` per update and step (errors carried in state add up),
+plus the summed squares of a global norm, relative to the terms (``MagnitudeRun``)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import ELEMENTWISE_OPS, MagnitudeRun, assert_bitwise, assert_close_rounding
+
+import functional_opt as fo
+from functional_opt.adapters import TransformOptimizer
+from functional_opt.base import fusable
+
+CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "adam": lambda: fo.adam(1e-2),
+    "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
+    "sgd-nesterov": lambda: fo.sgd(1e-2, 0.9, nesterov=True),
+    "clip-adamw": lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.1)),
+    "guarded-injected": lambda: fo.apply_if_finite(
+        fo.inject_hyperparams(fo.adam)(learning_rate=1e-2, b1=0.8), 2
+    ),
+}
+
+
+def _tree(gen: torch.Generator, scale: float = 1.0) -> dict[str, Any]:
+    # leaves of several sizes (runs of equal ones, a 0-d and an empty one) and a float64 buffer
+    return {
+        "w": torch.randn(33, 17, generator=gen) * scale,
+        "run": [torch.randn(6, generator=gen) * scale for _ in range(5)],
+        "s": torch.randn((), generator=gen) * scale,
+        "e": torch.zeros(0, 3),
+        "d": (torch.randn(9, generator=gen) * scale).double(),
+    }
+
+
+def _ops(name: str, params: Any, step: int) -> float:
+    numel = sum(x.numel() for x in fo.tree.leaves(params))
+    # a global norm sums every square (numel roundings) and its factor takes a sqrt, a
+    # division and the product: numel + 3 per step
+    extra = numel + 3 if name == "clip-adamw" else 0
+    return (ELEMENTWISE_OPS + extra) * (step + 1)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_fused_update_over_packed_buffers_equals_the_chain(name: str) -> None:
+    """``fused(tx)`` over packed trees, donated, computes ``tx``'s updates leaf by leaf within
+    rounding, compiles (no fallback warning), and writes the updates into the gradients'
+    buffers and the moments into their own."""
+    tx = CHAINS[name]()
+    assert fusable(tx)
+    fast = fo.fused(tx)
+    gen = torch.Generator().manual_seed(0)
+    params = _tree(gen)
+    state, fast_state = tx.init(params), fast.init(fo.pack(params))
+    magnitudes = MagnitudeRun(tx, params)
+    for step in range(3):
+        grads = _tree(gen, 0.1)
+        packed_grads = fo.pack(grads)
+        assert packed_grads.buffers is not None
+        ptrs = [b.data_ptr() for b in packed_grads.buffers]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            u_fast, fast_state = fast.update(packed_grads, fast_state, fo.pack(params), donate=True)
+        assert not [w for w in caught if str(w.message).startswith("fused:")]
+        u, state = tx.update(grads, state, params)
+        scale, _ = magnitudes.update(grads, params)
+        assert isinstance(u_fast, fo.Packed) and u_fast.buffers is not None
+        assert [b.data_ptr() for b in u_fast.buffers] == ptrs  # into the donated gradients
+        assert_close_rounding(
+            u_fast.tree,
+            u,
+            dtype=torch.float32,
+            ops=_ops(name, params, step),
+            scale=scale,
+            msg=f"{name}, step {step}",
+        )
+        params = fo.apply_updates(params, u)
+
+
+def test_changing_an_injected_hyperparameter_does_not_recompile() -> None:
+    counters = torch._dynamo.utils.counters
+    tx = fo.fused(fo.inject_hyperparams(fo.adamw)(learning_rate=1e-2, weight_decay=0.1))
+    params = fo.pack({"w": torch.randn(40), "b": torch.randn(3)})
+    state = tx.init(params)
+    grads = fo.pack({"w": torch.randn(40), "b": torch.randn(3)})
+    _, state = tx.update(grads, state, params, donate="state")
+    before = dict(counters["stats"])
+    for lr in (3e-3, 1e-3, 0.0):
+        state.hyperparams["learning_rate"].fill_(lr)
+        _, state = tx.update(grads, state, params, donate="state")
+    assert dict(counters["stats"]).get("unique_graphs") == before.get("unique_graphs")
+
+
+def test_user_transform_declared_elementwise_is_fused() -> None:
+    """The transform of docs/concepts.md, written with the tree helpers: fusable, and the same
+    numbers fused over packed buffers as leaf by leaf."""
+    sign = fo.stateless_with_tree_map(lambda u, p: torch.sign(u), elementwise=True)
+    tx = fo.chain(sign, fo.trace(0.9), fo.scale(-0.1))
+    assert fusable(tx)
+    assert not fusable(fo.chain(fo.stateless_with_tree_map(lambda u, p: torch.sign(u)), tx))
+    gen = torch.Generator().manual_seed(1)
+    params = _tree(gen)
+    fast = fo.fused(tx)
+    state, fast_state = tx.init(params), fast.init(fo.pack(params))
+    for _ in range(3):
+        grads = _tree(gen)
+        u, state = tx.update(grads, state, params)
+        u_fast, fast_state = fast.update(fo.pack(grads), fast_state, fo.pack(params))
+        # sign, a momentum (product and sum) and the scale: the same ops, compiled: 3 per step
+        assert_close_rounding(u_fast.tree, u, dtype=torch.float32, ops=9)
+
+
+def test_not_packed_or_not_fusable_runs_the_transform_itself() -> None:
+    tx = fo.fused(fo.adaptive_grad_clip(0.1))
+    params = {"w": torch.randn(4, 3)}
+    grads = {"w": torch.randn(4, 3)}
+    u, _ = tx.update(grads, tx.init(params), params)
+    want, _ = fo.adaptive_grad_clip(0.1).update(grads, fo.EmptyState(), params)
+    assert_bitwise(u, want)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        fo.fused(lambda: None)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------- adapter
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(12, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.c = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _engine_opt(params: Any, make: Callable[[Any], TransformOptimizer]) -> TransformOptimizer:
+    opt = make(params)
+    opt.fused_min_numel = 0
+    return opt
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: TransformOptimizer(
+            ps, fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.1))
+        ),
+        lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2),
+    ],
+    ids=["ready-made-chain", "factory"],
+)
+def test_optimizer_steps_on_the_engine_like_the_per_tensor_path(
+    make: Callable[[Any], TransformOptimizer],
+) -> None:
+    """Lockstep: both optimizers step from the same params on the same batch (the engine's
+    params are then reset to the reference's), so each step's update is compared alone; the
+    params keep their storage, the state entries are views of the engine's buffers, and an
+    LR scheduler's lr drives the engine (0 freezes)."""
+    torch.manual_seed(0)
+    model = _Model()
+    ref_model = copy.deepcopy(model)
+    opt = _engine_opt(model.parameters(), make)
+    ref = make(ref_model.parameters())
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    numel = sum(p.numel() for p in model.parameters())
+    for step in range(4):
+        x = torch.randn(8, 12)
+        before = [p.detach().clone() for p in ref_model.parameters()]
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        got = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+        want = [p.detach() - b for p, b in zip(ref_model.parameters(), before, strict=True)]
+        # the update (its own roundings plus the clip's global norm: numel + 3, and the state's
+        # carried errors: per step), then p + u - p (two roundings relative to |p|)
+        ops = (ELEMENTWISE_OPS + numel + 3) * (step + 1) + 2
+        scale = [b.abs() + 1e-2 for b in before]
+        assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+                p.copy_(q)
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine not in (None, False)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    for p in model.parameters():
+        for value in opt.state[p].values():
+            assert any(
+                value.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                for bs in engine.state.values()
+                for b in bs
+            )
+    frozen = [p.detach().clone() for p in model.parameters()]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.zero_grad()
+    model(torch.randn(8, 12)).pow(2).mean().backward()
+    opt.step()
+    assert_bitwise([p.detach() for p in model.parameters()], frozen)
+
+
+def test_engine_checkpoints_round_trip_and_loaded_state_is_adopted() -> None:
+    """state_dict() of an engine-stepped optimizer loads into a fresh one (weights_only), whose
+    next steps give the same params bit for bit (the same compiled kernels on the same values)."""
+    torch.manual_seed(1)
+    model = _Model()
+
+    def make(ps: Any) -> TransformOptimizer:
+        return _engine_opt(ps, lambda q: TransformOptimizer(q, fo.adam, lr=1e-2))
+
+    opt = make(model.parameters())
+    batches = [torch.randn(8, 12) for _ in range(4)]
+
+    def run(m: torch.nn.Module, o: TransformOptimizer, xs: list[torch.Tensor]) -> None:
+        for x in xs:
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+
+    run(model, opt, batches[:2])
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    run(model, opt, batches[2:])
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    other = _Model()
+    other.load_state_dict(saved["model"])
+    other_opt = make(other.parameters())
+    other_opt.load_state_dict(saved["opt"])
+    run(other, other_opt, batches[2:])
+    assert_bitwise(
+        [p.detach() for p in other.parameters()], [p.detach() for p in model.parameters()]
+    )
+
+
+def test_groups_that_cannot_use_the_engine_step_per_tensor() -> None:
+    model = _Model()
+    masked = TransformOptimizer(  # adaptive_grad_clip works leaf by leaf: not fusable
+        model.parameters(), fo.chain(fo.adaptive_grad_clip(0.1), fo.adam(1e-2))
+    )
+    masked.fused_min_numel = 0
+    other = _Model()
+    small = TransformOptimizer(other.parameters(), fo.adam(1e-2))  # below fused_min_numel
+    for opt, m in ((masked, model), (small, other)):
+        opt.zero_grad()
+        m(torch.randn(4, 12)).sum().backward()
+        opt.step()
+    assert masked._layouts[0].engine is None  # type: ignore[union-attr]  (not fusable)
+    assert small._layouts[0].engine is None  # type: ignore[union-attr]
