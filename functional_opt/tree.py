@@ -382,6 +382,12 @@ class Leaves:
         """The L2 norm of each present leaf as one vector (at least float32)."""
         return _lists.stack(_lists.norms(xs))
 
+    def norm_vectors(self, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """:meth:`norm_vector` of two lists of the present leaves (e.g. updates and params),
+        computed together: for sharded leaves one collective resolves both."""
+        both = _lists.stack(_lists.norms([*xs, *ys]))
+        return both[: len(xs)], both[len(xs) :]
+
     def global_norm(self, xs: Sequence[Tensor]) -> Tensor:
         """``sqrt(sum_i ||x_i||^2)`` over the present leaves."""
         return _lists.global_norm(xs)
@@ -541,6 +547,10 @@ class BufferLeaves:
                 rows = x[start : start + count * size].view(count, size)
                 pieces.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
         return self._leaf_vector(pieces)
+
+    def norm_vectors(self, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """:meth:`norm_vector` of two lists of buffers."""
+        return self.norm_vector(xs), self.norm_vector(ys)
 
     def _regions(self, xs: Sequence[Tensor]) -> list[Tensor]:
         return [x[start:end] for b, x in enumerate(xs) for start, end in self.layout.regions(b)]

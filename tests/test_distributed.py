@@ -1258,13 +1258,7 @@ def test_accumulation_without_sync_gives_the_same_numbers(
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(
-            "dreamerv3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 18: the gradient norms and the parameter norms are two all-reduces",
-            ),
-        ),
+        "dreamerv3",
         "transform",
     ],
 )

@@ -179,8 +179,9 @@ def agc_factors(
 ) -> list[Tensor]:
     """Per-tensor DreamerV3 clip factors ``1 / max(1, ||u|| / (clip * max(pmin, ||p||)))``
     (1 where ``clip == 0``)."""
-    unorm = _lists.stack(_lists.norms(g))
-    pnorm = _lists.stack(_lists.norms(p))
+    # one call for both lists: the norms of sharded (DTensor) leaves resolve in one collective
+    both = _lists.stack(_lists.norms([*g, *p]))
+    unorm, pnorm = both[: len(g)], both[len(g) :]
     return list(agc_factors_from_norms(unorm, pnorm, clip, pmin).unbind())
 
 
@@ -237,8 +238,7 @@ def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> Grad
         if not g:
             return updates
         p = at.take(params, "params")
-        unorm = at.norm_vector(g)
-        pnorm = at.norm_vector(p)
+        unorm, pnorm = at.norm_vectors(g, p)
         return at.updates(at.scale_leaves(g, agc_factors_from_norms(unorm, pnorm, clip, pmin)))
 
     return stateless(apply, elementwise=True)
