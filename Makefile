@@ -26,10 +26,13 @@ typecheck: $(STAMP)
 # from the vectorized code of any AVX2 or AVX-512 machine, so that a tolerance tuned to one
 # machine's results fails on the developer's machine too (tests/README.md).
 SECOND_CPU_PATH ?= default
+# pytest-xdist workers (one per core of the 2-core CI machines; `make test PYTEST_WORKERS=0` runs
+# in one process).
+PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
-	ATEN_CPU_CAPABILITY=$(SECOND_CPU_PATH) $(BIN)/python -m pytest -m numerics
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
+	ATEN_CPU_CAPABILITY=$(SECOND_CPU_PATH) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m numerics
 
 test: lint typecheck pytest
 

@@ -242,8 +242,13 @@ def _assert_schedule_matches(ours, theirs, counts, scale=None):
             value = ours(torch.tensor(c, dtype=kind) if kind is not int else c)
             assert isinstance(value, torch.Tensor) and value.dim() == 0
             values.append(value)
+        got = torch.stack(values)
+        # XLA on the CPU flushes subnormal results to zero (and its inputs: a schedule of a
+        # subnormal size is 0 there), so ours is compared in the same model of arithmetic
+        tiny = torch.finfo(torch.float64).tiny
+        got = torch.where(got.abs() < tiny, torch.zeros_like(got), got)
         assert_close_rounding(
-            torch.stack(values),
+            got,
             expected,
             dtype=torch.float64,
             ops=SCHEDULE_OPS,
