@@ -71,6 +71,10 @@ class PackedGroup:
             self.state[name] = buffers
             self.state_views[name] = self._views(buffers, params)
         self.update = fused(tx)
+        self.tx = tx
+        self.params: list[Tensor] | None = None  # buffers of the params' values, if read
+        self.param_views: list[Tensor] = []
+        self.probed = False
 
     def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
         views = self.layout.views(buffers)
@@ -103,8 +107,14 @@ class PackedGroup:
         if not all(map(operator.is_, grads, self.grad_views)):
             torch._foreach_copy_(self.grad_views, grads)
         updates = Packed(self.layout, buffers=self.grads)
-        loose_params = Packed(self.layout, tree=self.slots_type(params))
-        new_updates, new_state = self.update.update(updates, state, loose_params, **{DONATE: True})
+        if not self.probed:
+            self._probe(updates, state)
+        if self.params is not None:
+            torch._foreach_copy_(self.param_views, params)  # (read by the transform)
+            given = Packed(self.layout, buffers=self.params)
+        else:  # a loose tree: copied into a buffer only if the transform reads it after all
+            given = Packed(self.layout, tree=self.slots_type(params))
+        new_updates, new_state = self.update.update(updates, state, given, **{DONATE: True})
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
                 views = self.grad_views
@@ -121,6 +131,17 @@ class PackedGroup:
         else:
             torch._foreach_add_(params, views, alpha=ratio)
         return new_state
+
+    def _probe(self, updates: Packed, state: Any) -> None:
+        """Whether the transform needs the params (its pure update without them raises): then
+        each step copies them into a buffer of the layout before the compiled update, instead
+        of the graph gathering thousands of separate tensors (which compiles for minutes)."""
+        self.probed = True
+        try:
+            self.tx.update(updates, state, None)
+        except (ValueError, TypeError):
+            self.params = [torch.empty_like(b) for b in self.grads]
+            self.param_views = self.layout.views(self.params)  # type: ignore[assignment]
 
     def write_back(self, name: str, new: Any) -> None:
         """Copy a new packed state subtree into the buffers (when the transform returned other

@@ -24,6 +24,7 @@ from functional_opt.base import (
     donating,
     donating_updates,
 )
+from functional_opt.packed import Packed
 from functional_opt.schedules import Schedule
 from functional_opt.transforms.clipping import check_agc, clip_by_agc
 from functional_opt.transforms.moments import MomentDtype, ema, scale_by_rms
@@ -175,7 +176,11 @@ def dreamerv3(
         if fast is not None:
             return fast
         out, new_state = reference.update(updates, state, params, **extra)
-        if donating_updates(extra) and torch.compiler.is_compiling():
+        if (
+            donating_updates(extra)
+            and torch.compiler.is_compiling()
+            and not isinstance(updates, Packed)  # (the engine writes packed ones itself)
+        ):
             out = _into_donated(updates, out)
         return out, new_state
 
