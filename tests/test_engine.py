@@ -261,3 +261,22 @@ def test_groups_that_cannot_use_the_engine_step_per_tensor() -> None:
         opt.step()
     assert masked._layouts[0].engine is None  # type: ignore[union-attr]  (not fusable)
     assert small._layouts[0].engine is None  # type: ignore[union-attr]
+
+
+def test_a_transform_written_with_tree_map_runs_in_every_tree_the_library_uses() -> None:
+    """docs/concepts.md's signSGD with ``fo.tree_map``: under ``TransformOptimizer`` (param
+    slots), on packed trees and plain ones, the same updates (``optree.tree_map`` without the
+    library's namespace sees a ``ParamSlots`` or a ``Packed`` as one leaf and fails)."""
+    for elementwise in (False, True):
+        sign = fo.stateless_with_tree_map(lambda u, p: torch.sign(u), elementwise=elementwise)
+        tx = fo.chain(sign, fo.scale(-0.5))
+        model = _Model()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = TransformOptimizer(model.parameters(), tx)
+        model(torch.randn(4, 12)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        opt.step()
+        want = [b - 0.5 * torch.sign(g) for b, g in zip(before, grads, strict=True)]
+        assert_bitwise([p.detach() for p in model.parameters()], want)
+        packed_u, _ = tx.update(fo.pack(grads), tx.init(fo.pack(before)), fo.pack(before))
+        assert_bitwise(list(packed_u.tree), [-0.5 * torch.sign(g) for g in grads])
