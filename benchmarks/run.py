@@ -208,7 +208,8 @@ def optax_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
     g = [jnp.asarray(x.grad.float().numpy(), dtype=dtype) for x in params]
     holder = {"p": p, "s": tx.init(p)}
 
-    @jax.jit
+    # params and state donated: XLA updates them in place, as our donated steps do (a fair peer)
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step_fn(p, s, g):  # type: ignore[no-untyped-def]
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
@@ -218,6 +219,69 @@ def optax_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
         jax.block_until_ready(holder["p"])
 
     return step
+
+
+CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "adam": lambda: fo.adam(1e-4),
+    "adamw": lambda: fo.adamw(1e-4, weight_decay=1e-2),
+    "sgd momentum": lambda: fo.sgd(1e-4, 0.9),
+    "chain(clip_by_global_norm, adamw)": lambda: fo.chain(
+        fo.clip_by_global_norm(1.0), fo.adamw(1e-4, weight_decay=1e-2)
+    ),
+}
+"""The chains of the engine's targets (issue 16)."""
+
+
+def ours_transform_optimizer(
+    params: list[torch.nn.Parameter], chain: str, bucket: bool = False, fused: bool = True
+) -> Step:
+    """``TransformOptimizer`` of a ready-made chain. By default the gradients are separate
+    tensors each step (what ``zero_grad()``'s default, set_to_none, gives) and are copied into
+    the engine's flat buffer; ``bucket``: the gradients are views of that buffer (bucket views,
+    as after ``zero_grad(set_to_none=False)``), so the step copies nothing."""
+    from functional_opt.adapters import TransformOptimizer
+
+    opt = TransformOptimizer(params, CHAINS[chain]())
+    opt.fused_steps = fused
+    if not bucket:
+        return lambda: opt.step()
+    opt.step()
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    if engine:
+        for p, view in zip(params, engine.grad_views, strict=True):
+            assert p.grad is not None
+            view.copy_(p.grad)
+            p.grad = view
+    return lambda: opt.step()
+
+
+def ours_pure_chain(params: list[torch.nn.Parameter], chain: str, engine: bool) -> Step:
+    """The pure API, donated update + apply: over packed trees through ``fo.fused``
+    (``engine``), or over the plain list of tensors, eagerly."""
+    tx = CHAINS[chain]()
+    if engine:
+        tx = fo.fused(tx)
+        holder: dict[str, Any] = {"p": fo.pack([p.detach().clone() for p in params])}
+        grads: Any = fo.pack([p.grad for p in params])
+    else:
+        holder = {"p": [p.detach().clone() for p in params]}
+        grads = [p.grad for p in params]
+    holder["s"] = tx.init(holder["p"])
+
+    def step() -> None:
+        u, holder["s"] = tx.update(grads, holder["s"], holder["p"], donate=True)
+        holder["p"] = fo.apply_updates(holder["p"], u, donate=True)
+
+    return step
+
+
+def heavyball_adamw(params: list[torch.nn.Parameter]) -> Step | None:
+    try:
+        import heavyball  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    opt = heavyball.AdamW(params, lr=1e-4)
+    return lambda: opt.step()
 
 
 METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
@@ -234,6 +298,29 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: DreamerV3Optimizer, generic path": lambda ps: ours_adapter(ps, flat=False),
     "ours: DreamerV3Optimizer": ours_adapter,
     "ours: DreamerV3Optimizer(own_param_storage=True)": lambda ps: ours_adapter(ps, own=True),
+    "heavyball AdamW": heavyball_adamw,
+    **{
+        f"ours: TransformOptimizer({c})": functools.partial(ours_transform_optimizer, chain=c)
+        for c in CHAINS
+    },
+    **{
+        f"ours: TransformOptimizer({c}), bucket-view grads": functools.partial(
+            ours_transform_optimizer, chain=c, bucket=True
+        )
+        for c in ("adam", "chain(clip_by_global_norm, adamw)")
+    },
+    "ours: TransformOptimizer(adam), per-tensor path (before the engine)": functools.partial(
+        ours_transform_optimizer, chain="adam", fused=False
+    ),
+    **{
+        f"ours: pure fused {c}, packed, donated": functools.partial(
+            ours_pure_chain, chain=c, engine=True
+        )
+        for c in ("adam", "chain(clip_by_global_norm, adamw)")
+    },
+    "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
+        ours_pure_chain, chain="chain(clip_by_global_norm, adamw)", engine=False
+    ),
 }
 
 
@@ -397,7 +484,7 @@ def chart(results: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[str, int]) -> str:
-    names = [*METHODS, "roofline (36 B/param at streaming bandwidth)"]
+    names = [*METHODS, "traffic estimate (36 B/param at the measured copy bandwidth)"]
     lines = [
         "| method | " + " | ".join(results) + " |",
         "|---|" + "---|" * len(results),
@@ -406,7 +493,7 @@ def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[s
         cells = []
         for wname, res in results.items():
             base = res.get("Adam fused")
-            if name.startswith("roofline"):
+            if name.startswith("traffic estimate"):
                 bytes_per = 36 if "bf16" not in wname else 26  # bf16 g, p; fp32 moments
                 ratio = bytes_per * numels[wname] / bandwidth / base if base else None
             else:
