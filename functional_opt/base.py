@@ -383,7 +383,7 @@ def stateless(
                 "state of another transform?)"
             )
         if params is not None:  # a gradient of another shape is refused, never passed on
-            tree.split(updates, elementwise=True)[1].take(params, "params")
+            tree.split(updates, elementwise=True)[1].check(params, "params")
         return fn(updates, params), state
 
     declare_fusable(update_fn, elementwise)

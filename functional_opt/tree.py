@@ -290,6 +290,10 @@ class Leaves:
             self._dtype_check(out, name)
         return out
 
+    def check(self, tree: PyTree, name: str) -> None:
+        """Raises as :meth:`take` does when ``tree`` does not match the updates."""
+        self.take(tree, name)
+
     def present(self) -> list[Any]:
         """The present update values, in order (one list, made once: do not modify it)."""
         if self._present is None:
@@ -512,6 +516,14 @@ class BufferLeaves:
             f"{name} does not have the structure of the {self.kind} (a packed tree of "
             f"{len(layout.slots)} leaves): they first differ at {where or '<root>'}"
         )
+
+    def check(self, tree: PyTree, name: str) -> None:
+        """Raises unless ``tree`` could be taken (:meth:`take`), without copying anything: a
+        packed tree of the same structure passes as it is."""
+        other: Any = tree
+        if type(other) is _PACKED and other.structure == self.layout.structure:
+            return
+        self.take(tree, name)
 
     def updates(self, present: Sequence[Tensor]) -> PyTree:
         """The packed tree with buffers ``present``."""

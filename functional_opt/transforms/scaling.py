@@ -68,7 +68,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         expect_state(state, ScaleByScheduleState, "scale_by_schedule")
         g, at = tree.split(updates, elementwise=True)
         if params is not None:
-            at.take(params, "params")  # a gradient of another shape is refused, never passed on
+            at.check(params, "params")  # a gradient of another shape is refused, never passed on
         step = torch.as_tensor(step_size_fn(state.count))
         return at.updates(_lists.mul(g, step)), ScaleByScheduleState(safe_increment(state.count))
 
