@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,17 @@ def test_docs_have_examples() -> None:
 @pytest.mark.parametrize("source", [b for _, b in BLOCKS], ids=[n for n, _ in BLOCKS])
 def test_doc_example_runs(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    exec(compile(source, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    # run as the code of an importable module, as a user's would be (torch.compile imports the
+    # module of the functions it traces)
+    module = types.ModuleType("__doc_example__")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(source, "<doc example>", "exec"), module.__dict__)
+    fallbacks = [str(w.message) for w in caught if str(w.message).startswith("fused:")]
+    assert not fallbacks, fallbacks  # the engine compiled what the examples fuse
+    for w in caught:  # the others go through the suite's warning filters as they came
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 @pytest.mark.parametrize("name", sorted(fo.__all__))
