@@ -740,16 +740,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         if engine is not None:
             self._engine_update(layout, group, params, grads, engine, group_state)  # type: ignore[arg-type]
             return
-        outer: list[Any] = []
-        for slot in layout.slots:
-            if slot.kind == "param":
-                outer.append(ParamSlots(_entry(self.state.get(p), slot.name) for p in params))
-            elif slot.kind == "hyper":
-                outer.append(layout.hyper[slot.name])
-            elif slot.kind == "group":
-                outer.append(group_state[slot.name])
-            else:
-                outer.append(None)
+        outer = _outer_state(
+            layout,
+            group_state,
+            lambda name: ParamSlots(_entry(self.state.get(p), name) for p in params),
+        )
         state = optree.tree_unflatten(layout.spec, outer)
         # The optimizer owns the state, so it is donated (moments update in their own buffers);
         # the gradients are the user's, so they are not ("state": never written). A transform
@@ -781,10 +776,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             elif slot.kind == "group" and new is not old:
                 dst.append(old)
                 src.append(new)
-        if dst:
-            dst_ids = {id(t) for t in dst}
-            src = [s.clone() if id(s) in dst_ids else s for s in src]
-            torch._foreach_copy_(*_local_pairs(dst, src))
+        _copy_state(dst, src)
         new_updates = tree.leaves(updates)
         present = [(p, u) for p, u in zip(params, new_updates, strict=True) if u is not None]
         if present:
@@ -828,16 +820,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         group_state: dict[str, Tensor],
     ) -> None:
         engine.adopt_state([self.state[p] for p in params])
-        outer: list[Any] = []
-        for slot in layout.slots:
-            if slot.kind == "param":
-                outer.append(engine.packed_state(slot.name))
-            elif slot.kind == "hyper":
-                outer.append(layout.hyper[slot.name])
-            elif slot.kind == "group":
-                outer.append(group_state[slot.name])
-            else:
-                outer.append(None)
+        outer = _outer_state(layout, group_state, engine.packed_state)
         state = optree.tree_unflatten(layout.spec, outer)
         ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
         new_state = engine.step(params, grads, state, ratio)
@@ -854,10 +837,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             elif slot.kind == "group" and new is not old:
                 dst.append(old)
                 src.append(new)
-        if dst:
-            dst_ids = {id(t) for t in dst}
-            src = [s.clone() if id(s) in dst_ids else s for s in src]
-            torch._foreach_copy_(dst, src)
+        _copy_state(dst, src)
         self._group_state_out(group, layout)
 
     def state_dict(self) -> dict[str, Any]:
@@ -1016,6 +996,34 @@ def _local_pairs(dst: list[Tensor], src: list[Tensor]) -> tuple[list[Tensor], li
         out_dst.append(d)
         out_src.append(s)
     return out_dst, out_src
+
+
+def _outer_state(
+    layout: _Layout, group_state: Mapping[str, Tensor], per_param: Callable[[str], Any]
+) -> list[Any]:
+    """The leaves of a group's state tree (flattened down to its per-parameter nodes):
+    ``per_param(name)`` for each per-parameter entry, the injected hyperparameters and the
+    group-level tensors."""
+    outer: list[Any] = []
+    for slot in layout.slots:
+        if slot.kind == "param":
+            outer.append(per_param(slot.name))
+        elif slot.kind == "hyper":
+            outer.append(layout.hyper[slot.name])
+        elif slot.kind == "group":
+            outer.append(group_state[slot.name])
+        else:
+            outer.append(None)
+    return outer
+
+
+def _copy_state(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``d <- s`` for each pair (a source that is also a destination copied first), on local
+    shards for ``DTensor``s."""
+    if dst:
+        dst_ids = {id(t) for t in dst}
+        src = [s.clone() if id(s) in dst_ids else s for s in src]
+        torch._foreach_copy_(*_local_pairs(dst, src))
 
 
 def _entry(entries: Mapping[str, Tensor] | None, name: str) -> Tensor | None:
