@@ -31,10 +31,12 @@ from torch import Tensor
 
 from functional_opt import tree
 from functional_opt.base import DONATE, GradientTransformation, fusable
-from functional_opt.engine import fused
+from functional_opt.engine import Runner, fused
 from functional_opt.packed import Layout, Packed, pack
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+APPLY_INSIDE_MAX = 4
+"""Groups of at most this many params add the update inside the compiled graph."""
 
 
 class PackedGroup:
@@ -71,6 +73,10 @@ class PackedGroup:
             self.state[name] = buffers
             self.state_views[name] = self._views(buffers, params)
         self.update = fused(tx)
+        # few leaves (large ones, by the size rule of the optimizer): the update is added into
+        # the params inside the compiled graph, in the pass that computes it (with many leaves
+        # inductor's code for the slices was slower than one multi-tensor add after it)
+        self.runner = Runner(tx) if len(params) <= APPLY_INSIDE_MAX else None
         self.tx = tx
         self.params: list[Tensor] | None = None  # buffers of the params' values, if read
         self.param_views: list[Tensor] = []
@@ -114,6 +120,9 @@ class PackedGroup:
             given = Packed(self.layout, buffers=self.params)
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(self.layout, tree=self.slots_type(params))
+        if self.runner is not None and not isinstance(ratio, Tensor) and ratio == 1.0:
+            _, new_state = self.runner(updates, state, given, {DONATE: True}, list(params))
+            return new_state
         new_updates, new_state = self.update.update(updates, state, given, **{DONATE: True})
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):

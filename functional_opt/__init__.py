@@ -37,7 +37,7 @@ from functional_opt.base import (
 )
 from functional_opt.checkpoint import state_from_dict, state_to_dict
 from functional_opt.dreamerv3 import dreamerv3, dreamerv3_schedule
-from functional_opt.engine import fused
+from functional_opt.engine import fused, fused_step
 from functional_opt.metrics import dreamerv3_metrics
 from functional_opt.packed import Packed, pack
 from functional_opt.schedules import (
@@ -160,6 +160,7 @@ __all__ = [
     "freeze",
     "from_torch",
     "fused",
+    "fused_step",
     "global_norm",
     "identity",
     "incremental_update",

@@ -34,13 +34,14 @@ from functional_opt.base import (
     Params,
     Updates,
     accepting,
+    apply_updates,
     declare_step_size,
     extra_keywords,
     inner_step_size,
 )
 from functional_opt.packed import Packed
 
-__all__ = ["fused"]
+__all__ = ["Runner", "fused", "fused_step"]
 
 
 def _buffered(x: Any) -> bool:
@@ -49,13 +50,29 @@ def _buffered(x: Any) -> bool:
 
 def _donated_step(
     tx: GradientTransformation, extra: dict[str, Any]
-) -> Callable[[Updates, OptState, Params | None], tuple[Updates, OptState]]:
+) -> Callable[..., tuple[Updates, OptState]]:
     """The step that is compiled: ``tx.update``, and with donated updates the result written
-    into the updates' own buffers (where dtypes agree), so no buffer is allocated per step."""
+    into the updates' own buffers (where dtypes agree), so no buffer is allocated per step.
+
+    Given ``targets`` (tensors in the updates' leaf order, or the params' buffers when
+    ``whole``), the step also adds the updates into them in the same graph, ``t <- t + u`` in
+    ``t``'s dtype, so the update is added where it is computed (one pass), and returns
+    ``None`` for the updates."""
     into_updates = extra.get(DONATE) is True
 
-    def step(updates: Updates, state: OptState, params: Params | None) -> tuple[Updates, OptState]:
+    def step(
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        targets: list[Any] | None = None,
+        whole: bool = False,
+    ) -> tuple[Updates, OptState]:
         new, new_state = tx.update(updates, state, params, **extra)
+        if targets is not None:
+            us = list(new.buffers) if whole else new.layout.views(new.buffers)
+            for t, u in zip(targets, us, strict=True):
+                t.copy_((t + u).to(t.dtype))
+            return None, new_state
         if (
             into_updates
             and isinstance(new, Packed)
@@ -72,8 +89,10 @@ def _donated_step(
     return step
 
 
-class _Runner:
-    """Compiled steps of one transform, by keyword signature."""
+class Runner:
+    """Compiled steps of one transform, by keyword signature (what :func:`fused` and
+    :func:`fused_step` call; ``TransformOptimizer``'s engine calls it with the params to add
+    the updates into). ``runner(updates, state, params, extra, targets=None, whole=False)``."""
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
@@ -81,7 +100,13 @@ class _Runner:
         self.failed: set[tuple[Any, ...]] = set()
 
     def __call__(
-        self, updates: Updates, state: OptState, params: Params | None, extra: dict[str, Any]
+        self,
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        extra: dict[str, Any],
+        targets: list[Any] | None = None,
+        whole: bool = False,
     ) -> tuple[Updates, OptState]:
         flag = extra.get(DONATE, False)
         if (
@@ -89,11 +114,11 @@ class _Runner:
             or not _buffered(updates)
             or not (flag is True or flag is False or flag == STATE_ONLY)
         ):
-            return self.tx.update(updates, state, params, **extra)
+            return self._eager(updates, state, params, extra, targets, whole)
         updates.layout.prepare()  # (plans made inside a graph would make it recompile)
-        key = tuple(sorted(extra.items()))
+        key: tuple[Any, ...] = (*sorted(extra.items()), ("apply", targets is None, whole))
         if key in self.failed:
-            return self.tx.update(updates, state, params, **extra)
+            return self._eager(updates, state, params, extra, targets, whole)
         step = self.steps.get(key)
         first = step is None
         if step is None:
@@ -106,12 +131,12 @@ class _Runner:
             step = torch.compile(own, fullgraph=True, dynamic=False)
             self.steps[key] = step
         if not first:
-            return step(updates, state, params)  # type: ignore[no-any-return]
+            return step(updates, state, params, targets, whole)  # type: ignore[no-any-return]
         try:
-            return step(updates, state, params)  # type: ignore[no-any-return]
+            return step(updates, state, params, targets, whole)  # type: ignore[no-any-return]
         except torch._dynamo.exc.TorchDynamoException as err:
             # (raised while tracing or compiling, before the compiled code ran)
-            out = self.tx.update(updates, state, params, **extra)  # a user error: as itself
+            out = self._eager(updates, state, params, extra, targets, whole)  # a user error
             self.failed.add(key)
             del self.steps[key]
             warnings.warn(
@@ -121,6 +146,50 @@ class _Runner:
                 stacklevel=3,
             )
             return out
+
+    def _eager(
+        self,
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        extra: dict[str, Any],
+        targets: list[Any] | None,
+        whole: bool,
+    ) -> tuple[Updates, OptState]:
+        if targets is None:
+            return self.tx.update(updates, state, params, **extra)
+        return _donated_step(self.tx, extra)(updates, state, params, targets, whole)
+
+
+def fused_step(
+    tx: GradientTransformation,
+) -> Callable[[Packed, Packed, OptState], tuple[Packed, OptState]]:
+    """The whole donated step of ``tx`` over packed trees, compiled as one graph:
+    ``step(params, grads, state) -> (params, state)`` computes ``tx.update(grads, state,
+    params, donate=True)`` and adds the updates into the params' buffers in the same pass
+    (``apply_updates(..., donate=True)``'s sums), so the update is never written out.
+
+    ``params`` and ``grads`` are packed trees of one layout held in buffers; the params, the
+    gradients and the state are donated (written in place). Other trees run ``tx.update`` and
+    ``apply_updates`` as they are."""
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
+    runner = Runner(tx)
+
+    def step(params: Packed, grads: Packed, state: OptState) -> tuple[Packed, OptState]:
+        buffers = params.buffers if _buffered(params) else None
+        if (
+            buffers is None
+            or not _buffered(grads)
+            or not tree._same_layout(params.layout, grads.layout)
+            or (torch.is_grad_enabled() and any(b.requires_grad for b in buffers))
+        ):
+            updates, state = tx.update(grads, state, params, donate=True)
+            return apply_updates(params, updates, donate=True), state
+        _, state = runner(grads, state, params, {DONATE: True}, list(buffers), True)
+        return params, state
+
+    return step
 
 
 def fused(tx: GradientTransformation) -> GradientTransformation:
@@ -138,7 +207,7 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     same layout and keywords reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
-    runner = _Runner(tx)
+    runner = Runner(tx)
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any

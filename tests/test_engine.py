@@ -280,3 +280,75 @@ def test_a_transform_written_with_tree_map_runs_in_every_tree_the_library_uses()
         assert_bitwise([p.detach() for p in model.parameters()], want)
         packed_u, _ = tx.update(fo.pack(grads), tx.init(fo.pack(before)), fo.pack(before))
         assert_bitwise(list(packed_u.tree), [-0.5 * torch.sign(g) for g in grads])
+
+
+@pytest.mark.parametrize("name", ["adam", "clip-adamw"])
+def test_fused_step_adds_the_update_in_the_same_graph(name: str) -> None:
+    """``fo.fused_step(tx)(params, grads, state)``: the params' buffers take ``p + u`` in
+    place, equal to ``tx.update`` then ``apply_updates`` within rounding (each step from the
+    same params: the update's count, and one more rounding for the sum relative to |p|)."""
+    tx = CHAINS[name]()
+    step = fo.fused_step(tx)
+    gen = torch.Generator().manual_seed(2)
+    params = _tree(gen)
+    state, fast_state = tx.init(params), tx.init(fo.pack(params))
+    magnitudes = MagnitudeRun(tx, params)
+    for i in range(3):
+        grads = _tree(gen, 0.1)
+        packed = fo.pack(params)
+        assert packed.buffers is not None
+        ptrs = [b.data_ptr() for b in packed.buffers]
+        new_packed, fast_state = step(packed, fo.pack(grads), fast_state)
+        assert new_packed is packed and [b.data_ptr() for b in packed.buffers] == ptrs
+        u, state = tx.update(grads, state, params)
+        scale, _ = magnitudes.update(grads, params)
+        want = fo.apply_updates(params, u)
+        bound = fo.tree_map(lambda s, p: s + p.abs(), scale, params)
+        assert_close_rounding(
+            new_packed.tree, want, dtype=torch.float32, ops=_ops(name, params, i) + 1, scale=bound
+        )
+        params = want
+
+
+class _Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(12, 32)
+        self.c = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)))
+
+
+def test_a_group_of_few_params_adds_its_update_inside_the_graph() -> None:
+    """Four params: the engine adds the update into the params in the compiled graph; the
+    same updates as the per-tensor path (lockstep, derived bound), params keep their storage."""
+    torch.manual_seed(3)
+    model = _Small()
+    ref_model = copy.deepcopy(model)
+
+    def make(ps: Any) -> TransformOptimizer:
+        return TransformOptimizer(ps, fo.adam, lr=1e-2)
+
+    opt = _engine_opt(model.parameters(), make)
+    ref = make(ref_model.parameters())
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    for step in range(3):
+        x = torch.randn(8, 12)
+        before = [p.detach().clone() for p in ref_model.parameters()]
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        got = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+        want = [p.detach() - b for p, b in zip(ref_model.parameters(), before, strict=True)]
+        scale = [b.abs() + 1e-2 for b in before]
+        ops = ELEMENTWISE_OPS * (step + 1) + 2
+        assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+                p.copy_(q)
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine and engine.runner is not None
+    assert [p.data_ptr() for p in model.parameters()] == ptrs

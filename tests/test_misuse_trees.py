@@ -116,6 +116,7 @@ NOT_TRANSFORMS = frozenset(
         "apply_updates",
         "constant_schedule",
         "exponential_decay",
+        "fused_step",
         "global_norm",
         "incremental_update",
         "measure_with_ema",
