@@ -275,6 +275,21 @@ def ours_pure_chain(params: list[torch.nn.Parameter], chain: str, engine: bool) 
     return step
 
 
+def ours_fused_step(params: list[torch.nn.Parameter], chain: str) -> Step:
+    """``fo.fused_step``: the pure donated update and ``apply_updates`` compiled as one graph
+    over packed trees."""
+    tx = CHAINS[chain]()
+    step = fo.fused_step(tx)
+    holder: dict[str, Any] = {"p": fo.pack([p.detach().clone() for p in params])}
+    grads = fo.pack([p.grad for p in params])
+    holder["s"] = tx.init(holder["p"])
+
+    def run() -> None:
+        holder["p"], holder["s"] = step(holder["p"], grads, holder["s"])
+
+    return run
+
+
 def heavyball_adamw(params: list[torch.nn.Parameter]) -> Step | None:
     try:
         import heavyball  # type: ignore[import-not-found]
@@ -316,6 +331,10 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
         f"ours: pure fused {c}, packed, donated": functools.partial(
             ours_pure_chain, chain=c, engine=True
         )
+        for c in ("adam", "chain(clip_by_global_norm, adamw)")
+    },
+    **{
+        f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)
         for c in ("adam", "chain(clip_by_global_norm, adamw)")
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
