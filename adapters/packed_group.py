@@ -8,9 +8,9 @@ gradient present with its param's dtype, per-parameter state shaped like the par
   ``functional_opt.pack`` lays out the params, and ``optimizer.state[p][name]`` is a view of it
   (what ``state_dict()`` saves is unchanged; a state loaded or replaced by hand is copied back
   into the buffers on the next step);
-* the gradients are copied into a flat buffer of the same layout (or already are, when the
-  optimizer put them there as bucket views: ``zero_grad(set_to_none=False)`` after the first
-  step keeps them in place);
+* the gradients are copied into a flat buffer of the same layout, which then takes the update
+  (when the params' gradients already are views of that buffer, set so by the user, they are
+  read in place and the update gets a buffer of its own: the optimizer never writes them);
 * the transform's update runs on these packed trees through :func:`functional_opt.engine.fused`
   (compiled into single-pass kernels; the moments updated in their buffers, the update written
   into the gradient buffer); the params come in as a loose packed tree, copied into a buffer
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from functional_opt import tree
-from functional_opt.base import DONATE, GradientTransformation, fusable
+from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable
 from functional_opt.engine import Runner, fused
 from functional_opt.packed import Layout, Packed, pack
 
@@ -110,8 +110,13 @@ class PackedGroup:
     ) -> Any:
         """One update: gradients into the buffer, the fused update, ``p += ratio * u``.
         Returns the new state tree (packed per-parameter subtrees)."""
-        if not all(map(operator.is_, grads, self.grad_views)):
+        # The gradient buffer is ours (a copy) unless the params' gradients are its views (bucket
+        # views set by the user): then they are the user's, and the update may not be written
+        # over them (the optimizer never writes the gradients).
+        ours = not all(map(operator.is_, grads, self.grad_views))
+        if ours:
             torch._foreach_copy_(self.grad_views, grads)
+        donate: dict[str, Any] = {DONATE: True if ours else STATE_ONLY}
         updates = Packed(self.layout, buffers=self.grads)
         if not self.probed:
             self._probe(updates, state)
@@ -121,9 +126,9 @@ class PackedGroup:
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(self.layout, tree=self.slots_type(params))
         if self.runner is not None and not isinstance(ratio, Tensor) and ratio == 1.0:
-            _, new_state = self.runner(updates, state, given, {DONATE: True}, list(params))
+            _, new_state = self.runner(updates, state, given, donate, list(params))
             return new_state
-        new_updates, new_state = self.update.update(updates, state, given, **{DONATE: True})
+        new_updates, new_state = self.update.update(updates, state, given, **donate)
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
                 views = self.grad_views

@@ -352,3 +352,36 @@ def test_a_group_of_few_params_adds_its_update_inside_the_graph() -> None:
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
     assert engine and engine.runner is not None
     assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_gradients_that_are_views_of_the_engine_buffer_are_never_written() -> None:
+    """Bucket views: the params' gradients set to views of the group's flat gradient buffer are
+    read in place, not copied, and still hold the gradients after the step; the step equals
+    the one with separate gradients bit for bit (the same kernels on the same values)."""
+    torch.manual_seed(4)
+    model = _Model()
+    twin = copy.deepcopy(model)
+
+    def make(ps: Any) -> TransformOptimizer:
+        return _engine_opt(ps, lambda q: TransformOptimizer(q, fo.adam, lr=1e-2))
+
+    opt, twin_opt = make(model.parameters()), make(twin.parameters())
+    x = torch.randn(8, 12)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+    for p, view in zip(model.parameters(), engine.grad_views, strict=True):
+        assert p.grad is not None
+        view.copy_(p.grad)
+        p.grad = view
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    opt.step()
+    twin_opt.step()
+    assert_bitwise([p.grad for p in model.parameters()], grads)
+    assert_bitwise(
+        [p.detach() for p in model.parameters()], [p.detach() for p in twin.parameters()]
+    )
