@@ -33,7 +33,7 @@ import optree
 import pytest
 import torch
 from conftest import assert_close_rounding
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from oracle_utils import (
     optax,
@@ -263,6 +263,12 @@ def _close(ours: Sequence[np.ndarray], theirs: Sequence[np.ndarray], ref, what: 
     for i, (a, e, r) in enumerate(zip(ours, theirs, ref, strict=True)):
         x, y = torch.from_numpy(np.array(a)), torch.from_numpy(np.array(e))
         assert x.shape == y.shape == r.v.shape, f"{what}, leaf {i}: shapes"
+        # Where the reference's own error bound exceeds its value, the value is rounding noise
+        # (centered RMSProp's first bias-corrected variance cancels to noise of either sign):
+        # optax's square root of a negative noise is NaN there, ours clamps the variance at 0
+        # and stays finite, which the bound then covers.
+        noise = torch.isnan(y) & torch.isfinite(x) & (r.b >= r.v.abs())
+        y = torch.where(noise, x, y)
         # |ours - optax| <= B eps (see the module docstring): ops=1 with the bound B as scale
         assert_close_rounding(
             x, y, dtype=torch.float64, ops=1, scale=r.b + FTZ, msg=f"{what}, leaf {i}"
@@ -358,6 +364,20 @@ def test_lamb_matches_optax(seed, lr, b1, b2, eps, eps_root, wd):
     momentum=st.sampled_from([None, 0.0, 0.9]),
     nesterov=st.booleans(),
     bias_correction=st.booleans(),
+)
+# found by hypothesis: the first bias-corrected centered update cancels (nu_hat - mu_hat^2 is
+# rounding noise); a negative noise gave NaN, which the variance's clamp at 0 removes
+@example(
+    seed=0,
+    lr=0.5,
+    decay=0.25,
+    eps=1e-8,
+    initial_scale=0.0,
+    eps_in_sqrt=False,
+    centered=True,
+    momentum=None,
+    nesterov=False,
+    bias_correction=True,
 )
 def test_rmsprop_matches_optax(
     seed, lr, decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov, bias_correction

@@ -163,8 +163,11 @@ class ScaleByRStdDevWithCountState(NamedTuple):
 def _inverse_stddev(
     mu: list[Tensor], nu: list[Tensor], eps: float | Tensor, eps_in_sqrt: bool
 ) -> list[Tensor]:
-    """``1 / sqrt(nu - |mu|^2 + eps)`` (``eps_in_sqrt``) or ``1 / (sqrt(nu - |mu|^2) + eps)``."""
-    variance = _lists.sub(nu, _lists.square(mu))
+    """``1 / sqrt(v + eps)`` (``eps_in_sqrt``) or ``1 / (sqrt(v) + eps)`` with the variance
+    ``v = max(nu - |mu|^2, 0)``: where the two cancel (every update alike, e.g. the first
+    bias-corrected one) rounding can leave ``nu - |mu|^2`` slightly negative, whose square root
+    would be NaN for good; a variance is never negative."""
+    variance = [torch.clamp(v, min=0.0) for v in _lists.sub(nu, _lists.square(mu))]
     if eps_in_sqrt:
         return [torch.rsqrt(v) for v in _lists.add_scalar(variance, eps)]
     return [torch.reciprocal(v) for v in _lists.add_scalar(_lists.sqrt(variance), eps)]
@@ -181,8 +184,9 @@ def scale_by_stddev(
 
     ``mu <- decay * mu + (1 - decay) * u``; ``nu <- decay * nu + (1 - decay) * u**2``; hats
     divided by ``1 - decay**t`` if ``bias_correction``; ``u -> u / sqrt(nu_hat - mu_hat**2 +
-    eps)`` (``eps_in_sqrt``) or ``u -> u / (sqrt(nu_hat - mu_hat**2) + eps)``. ``nu`` starts at
-    ``initial_scale``, ``mu`` at 0."""
+    eps)`` (``eps_in_sqrt``) or ``u -> u / (sqrt(nu_hat - mu_hat**2) + eps)``, the variance
+    ``nu_hat - mu_hat**2`` clamped at 0 (rounding can make it slightly negative where it
+    cancels, and its square root NaN). ``nu`` starts at ``initial_scale``, ``mu`` at 0."""
     _validate.unit_interval("decay", decay)
     _validate.non_negative("eps", eps)
     _validate.non_negative("initial_scale", initial_scale)
