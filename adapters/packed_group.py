@@ -77,6 +77,9 @@ class PackedGroup:
         # the params inside the compiled graph, in the pass that computes it (with many leaves
         # inductor's code for the slices was slower than one multi-tensor add after it)
         self.runner = Runner(tx) if len(params) <= APPLY_INSIDE_MAX else None
+        self.runner_copy = Runner(tx)  # bucket-view gradients: the update into ``scratch``
+        self.scratch: list[Tensor] | None = None
+        self.scratch_views: list[Tensor] = []
         self.tx = tx
         self.params: list[Tensor] | None = None  # buffers of the params' values, if read
         self.param_views: list[Tensor] = []
@@ -128,6 +131,13 @@ class PackedGroup:
         if self.runner is not None and not isinstance(ratio, Tensor) and ratio == 1.0:
             _, new_state = self.runner(updates, state, given, donate, list(params))
             return new_state
+        if not ours:  # the update into a persistent buffer of ours, not a fresh one per step
+            if self.scratch is None:
+                self.scratch = [torch.empty_like(b) for b in self.grads]
+                self.scratch_views = self._views(self.scratch, params)
+            _, new_state = self.runner_copy(updates, state, given, donate, self.scratch, True, True)
+            _add(params, self.scratch_views, ratio)
+            return new_state
         new_updates, new_state = self.update.update(updates, state, given, **donate)
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
@@ -138,12 +148,7 @@ class PackedGroup:
             views = tree.leaves(
                 new_updates.tree if isinstance(new_updates, Packed) else new_updates
             )
-        if isinstance(ratio, Tensor):
-            torch._foreach_add_(params, [u * ratio.to(u.device) for u in views])
-        elif ratio == 1.0:
-            torch._foreach_add_(params, views)
-        else:
-            torch._foreach_add_(params, views, alpha=ratio)
+        _add(params, views, ratio)
         return new_state
 
     def _probe(self, updates: Packed, state: Any) -> None:
@@ -167,6 +172,16 @@ class PackedGroup:
         for old, value in zip(self.state[name], new.buffers, strict=True):
             if value is not old:
                 old.copy_(value)
+
+
+def _add(params: list[Tensor], updates: list[Tensor], ratio: float | Tensor) -> None:
+    """``p += ratio * u`` for each pair, one multi-tensor add."""
+    if isinstance(ratio, Tensor):
+        torch._foreach_add_(params, [u * ratio.to(u.device) for u in updates])
+    elif ratio == 1.0:
+        torch._foreach_add_(params, updates)
+    else:
+        torch._foreach_add_(params, updates, alpha=ratio)
 
 
 class NotPackable(Exception):

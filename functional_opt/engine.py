@@ -57,7 +57,8 @@ def _donated_step(
     Given ``targets`` (tensors in the updates' leaf order, or the params' buffers when
     ``whole``), the step also adds the updates into them in the same graph, ``t <- t + u`` in
     ``t``'s dtype, so the update is added where it is computed (one pass), and returns
-    ``None`` for the updates."""
+    ``None`` for the updates; with ``copy`` it writes the updates into them (``t <- u``, a
+    persistent buffer instead of a fresh one)."""
     into_updates = extra.get(DONATE) is True
 
     def step(
@@ -66,12 +67,13 @@ def _donated_step(
         params: Params | None,
         targets: list[Any] | None = None,
         whole: bool = False,
+        copy: bool = False,
     ) -> tuple[Updates, OptState]:
         new, new_state = tx.update(updates, state, params, **extra)
         if targets is not None:
             us = list(new.buffers) if whole else new.layout.views(new.buffers)
             for t, u in zip(targets, us, strict=True):
-                t.copy_((t + u).to(t.dtype))
+                t.copy_(u if copy else (t + u).to(t.dtype))
             return None, new_state
         if (
             into_updates
@@ -107,6 +109,7 @@ class Runner:
         extra: dict[str, Any],
         targets: list[Any] | None = None,
         whole: bool = False,
+        copy: bool = False,
     ) -> tuple[Updates, OptState]:
         flag = extra.get(DONATE, False)
         if (
@@ -114,11 +117,11 @@ class Runner:
             or not _buffered(updates)
             or not (flag is True or flag is False or flag == STATE_ONLY)
         ):
-            return self._eager(updates, state, params, extra, targets, whole)
+            return self._eager(updates, state, params, extra, targets, whole, copy)
         updates.layout.prepare()  # (plans made inside a graph would make it recompile)
-        key: tuple[Any, ...] = (*sorted(extra.items()), ("apply", targets is None, whole))
+        key: tuple[Any, ...] = (*sorted(extra.items()), ("apply", targets is None, whole, copy))
         if key in self.failed:
-            return self._eager(updates, state, params, extra, targets, whole)
+            return self._eager(updates, state, params, extra, targets, whole, copy)
         step = self.steps.get(key)
         first = step is None
         if step is None:
@@ -131,12 +134,12 @@ class Runner:
             step = torch.compile(own, fullgraph=True, dynamic=False)
             self.steps[key] = step
         if not first:
-            return step(updates, state, params, targets, whole)  # type: ignore[no-any-return]
+            return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
         try:
-            return step(updates, state, params, targets, whole)  # type: ignore[no-any-return]
+            return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
         except torch._dynamo.exc.TorchDynamoException as err:
             # (raised while tracing or compiling, before the compiled code ran)
-            out = self._eager(updates, state, params, extra, targets, whole)  # a user error
+            out = self._eager(updates, state, params, extra, targets, whole, copy)  # a user error
             self.failed.add(key)
             del self.steps[key]
             warnings.warn(
@@ -155,10 +158,11 @@ class Runner:
         extra: dict[str, Any],
         targets: list[Any] | None,
         whole: bool,
+        copy: bool = False,
     ) -> tuple[Updates, OptState]:
         if targets is None:
             return self.tx.update(updates, state, params, **extra)
-        return _donated_step(self.tx, extra)(updates, state, params, targets, whole)
+        return _donated_step(self.tx, extra)(updates, state, params, targets, whole, copy)
 
 
 def fused_step(
