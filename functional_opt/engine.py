@@ -37,6 +37,7 @@ from functional_opt.base import (
     apply_updates,
     declare_step_size,
     extra_keywords,
+    fusable,
     inner_step_size,
 )
 from functional_opt.packed import Packed
@@ -98,6 +99,9 @@ class Runner:
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
+        # only transforms that declare their math elementwise are compiled: a leaf-by-leaf one
+        # over thousands of views would compile for minutes and run no faster
+        self.compilable = fusable(tx)
         self.steps: dict[tuple[Any, ...], Any] = {}
         self.failed: set[tuple[Any, ...]] = set()
 
@@ -114,6 +118,7 @@ class Runner:
         flag = extra.get(DONATE, False)
         if (
             torch.compiler.is_compiling()
+            or not self.compilable
             or not _buffered(updates)
             or not (flag is True or flag is False or flag == STATE_ONLY)
         ):
@@ -206,9 +211,10 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     training loop of ``fused(tx).update(g, s, p, donate=True)`` and
     ``apply_updates(p, u, donate=True)`` allocates nothing per step.
 
-    Only packed trees held in buffers (:func:`functional_opt.pack`) without batch dimensions
-    take the compiled path; for them the first call compiles (seconds), later calls with the
-    same layout and keywords reuse it."""
+    Only a fusable ``tx`` (:func:`functional_opt.base.fusable`) over packed trees held in buffers
+    (:func:`functional_opt.pack`) without batch dimensions takes the compiled path (anything
+    else runs ``tx.update`` as it is); there the first call compiles (seconds), and later calls
+    with the same layout and keywords reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
