@@ -31,7 +31,7 @@ from torch import Tensor
 
 from functional_opt import tree
 from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable
-from functional_opt.engine import Runner, fused
+from functional_opt.engine import Runner
 from functional_opt.packed import Layout, Packed, pack
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -72,12 +72,12 @@ class PackedGroup:
             ]
             self.state[name] = buffers
             self.state_views[name] = self._views(buffers, params)
-        self.update = fused(tx)
         # few leaves (large ones, by the size rule of the optimizer): the update is added into
         # the params inside the compiled graph, in the pass that computes it (with many leaves
         # inductor's code for the slices was slower than one multi-tensor add after it)
-        self.runner = Runner(tx) if len(params) <= APPLY_INSIDE_MAX else None
-        self.runner_copy = Runner(tx)  # bucket-view gradients: the update into ``scratch``
+        self.apply_inside = len(params) <= APPLY_INSIDE_MAX
+        # one runner for every kind of call (its compiled steps are keyed by the call's kind)
+        self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
         self.scratch_views: list[Tensor] = []
         self.tx = tx
@@ -128,17 +128,17 @@ class PackedGroup:
             given = Packed(self.layout, buffers=self.params)
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(self.layout, tree=self.slots_type(params))
-        if self.runner is not None and not isinstance(ratio, Tensor) and ratio == 1.0:
+        if self.apply_inside and not isinstance(ratio, Tensor) and ratio == 1.0:
             _, new_state = self.runner(updates, state, given, donate, list(params))
             return new_state
         if not ours:  # the update into a persistent buffer of ours, not a fresh one per step
             if self.scratch is None:
                 self.scratch = [torch.empty_like(b) for b in self.grads]
                 self.scratch_views = self._views(self.scratch, params)
-            _, new_state = self.runner_copy(updates, state, given, donate, self.scratch, True, True)
+            _, new_state = self.runner(updates, state, given, donate, self.scratch, True, True)
             _add(params, self.scratch_views, ratio)
             return new_state
-        new_updates, new_state = self.update.update(updates, state, given, **donate)
+        new_updates, new_state = self.runner(updates, state, given, donate)
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
                 views = self.grad_views
@@ -214,9 +214,7 @@ def packable(
     )
 
 
-def templates_by_name(
-    templates: list[dict[str, Tensor]], params: list[Tensor]
-) -> dict[str, list[Tensor]]:
+def templates_by_name(templates: list[dict[str, Tensor]]) -> dict[str, list[Tensor]]:
     """Per state name, each param's template (meta tensors of the state's dtype)."""
     names = sorted({n for t in templates for n in t})
     out: dict[str, list[Tensor]] = {}
@@ -224,13 +222,7 @@ def templates_by_name(
         if not all(name in t for t in templates):
             raise NotPackable(f"state {name} is not kept for every parameter")
         out[name] = [t[name] for t in templates]
-    del params
     return out
-
-
-def is_packed_leaf(x: Any) -> bool:
-    """optree ``is_leaf`` for flattening a state tree down to its packed subtrees."""
-    return isinstance(x, Packed)
 
 
 def flatten_to_packed(state: Any, slots_type: type) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -802,7 +802,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             return None
         if layout.engine is None:
             try:
-                templates = templates_by_name(layout.param_template, params)
+                templates = templates_by_name(layout.param_template)
                 layout.engine = PackedGroup(params, templates, layout.tx, ParamSlots)
             except NotPackable:
                 layout.engine = False

@@ -350,7 +350,7 @@ def test_a_group_of_few_params_adds_its_update_inside_the_graph() -> None:
             for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
                 p.copy_(q)
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
-    assert engine and engine.runner is not None
+    assert engine and engine.apply_inside
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
