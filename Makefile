@@ -40,7 +40,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py --scaling --cold
+	$(BIN)/python benchmarks/run.py --scaling --cold --distributed
 
 docs: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[docs]'

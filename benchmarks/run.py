@@ -13,6 +13,13 @@ OpenMP threads of one method slower than another's.
     python benchmarks/run.py --quick         # fewer rounds, smaller workloads
     python benchmarks/run.py --scaling       # time vs parameter count and tensor count
     python benchmarks/run.py --cold          # W1's first step with an empty compiler cache
+    python benchmarks/run.py --workloads W2  # re-measure W2 only; the others come from the store
+    python benchmarks/run.py --distributed   # also the FSDP2 step (benchmarks/distributed.py)
+
+Each run stores what it measured, per workload, in ``benchmarks/results.json`` (``--results``),
+and writes the table from that store: a run limited to some workloads (``--workloads``) replaces
+their columns and keeps the others, each column still measured in one process, side by side with
+fused Adam (the table says when each was measured).
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ os.environ.setdefault(
 )
 
 import argparse
+import datetime
 import functools
 import gc
+import json
 import statistics
 import sys
 import time
@@ -433,8 +442,16 @@ def bench(
     return out
 
 
-COLD = ["ours: DreamerV3Optimizer", "ours: functional eager, donated"]
-"""The methods whose first W1 step is timed with a cold compiler cache (``--cold``)."""
+COLD: list[tuple[str, int]] = [
+    ("ours: DreamerV3Optimizer", 0),
+    ("ours: functional eager, donated", 0),
+    ("ours: TransformOptimizer(adam)", 0),
+    ("ours: TransformOptimizer(adam)", 1),
+    ("ours: pure fused_step chain(clip_by_global_norm, adamw), packed", 0),
+    ("ours: pure fused_step chain(clip_by_global_norm, adamw), packed", 1),
+]
+"""The methods whose first step is timed with a cold compiler cache (``--cold``), each with the
+index of its workload in :func:`workloads`."""
 
 
 def cold_first_call(name: str, workload: int = 0) -> float | None:
@@ -502,7 +519,11 @@ def chart(results: dict[str, dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[str, int]) -> str:
+def table(
+    results: dict[str, dict[str, float]], bandwidth: dict[str, float], numels: dict[str, int]
+) -> str:
+    """Each method's ratio to fused Adam per workload (``bandwidth``: each workload's measured
+    streaming bandwidth, for the traffic estimate)."""
     names = [*METHODS, "traffic estimate (36 B/param at the measured copy bandwidth)"]
     lines = [
         "| method | " + " | ".join(results) + " |",
@@ -514,11 +535,12 @@ def table(results: dict[str, dict[str, float]], bandwidth: float, numels: dict[s
             base = res.get("Adam fused")
             if name.startswith("traffic estimate"):
                 bytes_per = 36 if "bf16" not in wname else 26  # bf16 g, p; fp32 moments
-                ratio = bytes_per * numels[wname] / bandwidth / base if base else None
+                ratio = bytes_per * numels[wname] / bandwidth[wname] / base if base else None
             else:
                 ratio = res.get(f"{name} / Adam fused")
             cells.append("n/a" if ratio is None else f"{ratio:.2f}x")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if any(cell != "n/a" for cell in cells):  # a method measured on no workload: no row
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
         "Fused Adam median step: "
@@ -544,11 +566,26 @@ def write_table(path: Path, text: str) -> None:
         path.write_text(text + "\n")
 
 
+def load_store(path: Path) -> dict[str, dict[str, Any]]:
+    """The stored measurements, by workload name (empty if there are none)."""
+    if not path.exists():
+        return {}
+    data: dict[str, dict[str, Any]] = json.loads(path.read_text())
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument(
+        "--workloads",
+        nargs="*",
+        default=None,
+        help="measure only these (W1 W2 W3 W1-bf16); the others' columns come from --results",
+    )
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results.json")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.md")
     parser.add_argument("--chart", type=Path, default=ROOT / "docs" / "performance.png")
     parser.add_argument("--scaling", action="store_true", help="also time vs size/tensor count")
@@ -556,45 +593,96 @@ def main(argv: list[str] | None = None) -> int:
         "--cold", action="store_true", help="also time W1's first step with a cold compile cache"
     )
     parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="also time an FSDP2 rank's step (benchmarks/distributed.py, 2 gloo ranks)",
+    )
+    parser.add_argument(
         "--clock", choices=sorted(CLOCKS), default="cpu", help="time steps in CPU or wall time"
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {sorted(METHODS)}")
+    known = [w.name.split(":")[0] for w in workloads(args.quick)]
+    if args.workloads is not None and not set(args.workloads) <= set(known):
+        parser.error(f"unknown workloads {sorted(set(args.workloads) - set(known))}; {known}")
     global clock
     clock = CLOCKS[args.clock]
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
     # First, as in a user's fresh process: measured after the workloads (this process then holds
     # gigabytes of them), the same first step took 15-17 s instead of 10-12 s.
-    cold = {name: cold_first_call(name) for name in COLD} if args.cold else {}
+    cold = {
+        f"{name} on W{index + 1}": cold_first_call(name, index)
+        for name, index in (COLD if args.cold else [])
+    }
     bandwidth = copy_bandwidth()
     print(f"streaming bandwidth: {bandwidth / 1e9:.2f} GB/s")
-    results: dict[str, dict[str, float]] = {}
-    numels: dict[str, int] = {}
-    memory: dict[str, dict[str, int | None]] = {}
+    store = {} if args.quick else load_store(args.results)
+    today = datetime.date.today().isoformat()
     for w in workloads(args.quick):
+        short = w.name.split(":")[0]
+        if args.workloads is not None and short not in args.workloads:
+            continue
         print(f"{w.name} ({w.numel / 1e6:.1f}M params, {len(w.shapes)} tensors)")
-        memory[w.name] = {}
-        results[w.name] = bench(w, 5 if args.quick else args.rounds, args.methods, memory[w.name])
-        numels[w.name] = w.numel
-    text = table(results, bandwidth, numels)
+        memory: dict[str, int | None] = {}
+        results = bench(w, 5 if args.quick else args.rounds, args.methods, memory)
+        store[w.name] = {
+            "results": results,
+            "memory": memory,
+            "numel": w.numel,
+            "bandwidth": bandwidth,
+            "measured": today,
+            "clock": args.clock,
+        }
+        if not args.quick:  # each workload as soon as it is measured: a long run can be cut
+            args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
+    order = [w.name for w in workloads(args.quick) if w.name in store]
+    results_by = {name: store[name]["results"] for name in order}
+    numels = {name: store[name]["numel"] for name in order}
+    text = table(results_by, {name: store[name]["bandwidth"] for name in order}, numels)
     text += "\n\nPeak extra memory of one step (torch allocator, MB): " + "; ".join(
-        f"{w.split(':')[0]}: "
-        + ", ".join(f"{m} {b / 2**20:.0f}" for m, b in mem.items() if b is not None)
-        for w, mem in memory.items()
+        f"{name.split(':')[0]}: "
+        + ", ".join(
+            f"{m} {b / 2**20:.0f}" for m, b in store[name]["memory"].items() if b is not None
+        )
+        for name in order
     )
-    text += (
-        f"\n\nMeasured streaming bandwidth {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread; {args.clock} time."
+    text += "\n\nMeasured " + ", ".join(
+        f"{name.split(':')[0]} on {store[name]['measured']} "
+        f"({store[name]['clock']} time, streaming bandwidth "
+        f"{store[name]['bandwidth'] / 1e9:.1f} GB/s)"
+        for name in order
     )
+    text += f"; torch {torch.__version__}, {torch.get_num_threads()} thread."
     if cold:
-        text += "\n\nFirst W1 step in a fresh process with an empty compiler cache: " + ", ".join(
+        text += "\n\nFirst step in a fresh process with an empty compiler cache: " + ", ".join(
             f"{name} {'failed' if t is None else f'{t:.1f} s'}" for name, t in cold.items()
         )
     if args.scaling:
         text += "\n\n" + scaling(5 if args.quick else args.rounds)
+    if args.distributed:
+        text += "\n\n" + distributed_table(args.quick, args.clock)
     print(text)
     write_table(args.out, text)
-    chart(results, args.chart)
+    chart(results_by, args.chart)
     return 0
+
+
+def distributed_table(quick: bool, clock_name: str) -> str:
+    """The FSDP2 rows of :mod:`distributed` (2 gloo ranks), as a markdown table with its
+    setting."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import distributed
+
+    layers, width, steps, warmup = (2, 512, 5, 2) if quick else (6, 1024, 15, 3)
+    rows = distributed.rows(layers, width, steps, warmup, clock_name)
+    return (
+        f"FSDP2, {distributed.WORLD} gloo ranks of one thread, {layers} x Linear({width}, "
+        f"{width}) fully sharded ({rows[0]['local_params']:,} params per rank), against one "
+        "process stepping plain params of the rank's local sizes "
+        "(`benchmarks/distributed.py`):\n\n" + distributed.table(rows)
+    )
 
 
 if __name__ == "__main__":
