@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -29,7 +30,9 @@ __all__ = [
     "accepting",
     "chain",
     "check_extra",
+    "current_stage",
     "declare_fusable",
+    "declare_stages",
     "declare_step_size",
     "describe",
     "donating",
@@ -40,6 +43,8 @@ __all__ = [
     "identity",
     "named_chain",
     "safe_increment",
+    "staged",
+    "stages",
     "state_donation",
     "stateless",
     "stateless_with_tree_map",
@@ -332,6 +337,69 @@ def fusable(tx: GradientTransformation) -> bool:
     return bool(declared is not None and declared())
 
 
+_STAGES = "__functional_opt_stages__"
+
+Stages = tuple[tuple[int, Hashable], ...]
+"""What :func:`stages` returns: ``(key, value)`` pairs, in a fixed order."""
+
+_CURRENT: dict[int, Hashable] = {}  # the stages the engine traces under (see :func:`staged`)
+
+
+def declare_stages(update: Callable[..., Any], read: Callable[[Any], Stages]) -> Callable[..., Any]:
+    """Declares that the work of ``update`` depends on a value of its state that can be read in
+    Python for free before a step (a counter on the CPU, in eager mode): ``read(state)`` returns
+    ``(key, value)`` pairs, each ``key`` an ``int`` the transform owns (its ``id``) and each
+    ``value`` a hashable Python value, or ``()`` when nothing can be read for free (an
+    accelerator's counter, a traced or ``vmap``-wrapped one). Returns ``update``.
+
+    The engine (:mod:`functional_opt.engine`) compiles one graph per stage: it calls
+    :func:`stages` on the state before each step, keys its compiled graphs by the result, and
+    traces and runs each under :func:`staged`, so the transform reads its value with
+    :func:`current_stage` while being traced and compiles only the work of that stage
+    (``MultiSteps``: the accumulation alone on a mini-step that emits nothing). Without a
+    stage (plain ``torch.compile``, ``vmap``, an accelerator's counter) the transform must
+    compute every outcome and select with ``torch.where``, as it does today."""
+    setattr(update, _STAGES, read)
+    return update
+
+
+def stages(tx: GradientTransformation, state: Any) -> Stages:
+    """The stages ``tx`` declares for ``state`` (see :func:`declare_stages`): ``()`` for a
+    transform that declares none, and always under ``torch.compile`` (nothing is read there)."""
+    read = getattr(tx.update, _STAGES, None)
+    if read is None or torch.compiler.is_compiling():
+        return ()
+    out: Stages = read(state)
+    return out
+
+
+@contextlib.contextmanager
+def staged(values: Stages) -> Iterator[None]:
+    """Makes ``values`` (from :func:`stages`) the current stages for the code run inside (the
+    engine traces and calls a graph compiled for them under it); restores the previous ones
+    after."""
+    saved = dict(_CURRENT)
+    _CURRENT.clear()
+    _CURRENT.update(values)
+    try:
+        yield
+    finally:
+        _CURRENT.clear()
+        _CURRENT.update(saved)
+
+
+def current_stage(key: int) -> Hashable | None:
+    """The value the engine set for ``key`` with :func:`staged`, or ``None``. Read while
+    ``torch.compile`` traces, it is a Python constant of the graph (guarded by dynamo)."""
+    return _CURRENT.get(key)
+
+
+def _member_stages(transforms: tuple[GradientTransformation, ...], state: Any) -> Stages:
+    if not isinstance(state, tuple) or len(state) != len(transforms):
+        return ()  # (the update names the error)
+    return tuple(item for t, s in zip(transforms, state, strict=True) for item in stages(t, s))
+
+
 def describe(state: Any) -> str:
     """A short description of a state's kind for error messages, e.g. ``a tuple of 2 states``
     or ``a ScaleByAdamState``."""
@@ -463,6 +531,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     declare_step_size(update_fn, lambda: _chain_step_size(transforms))
     declare_fusable(update_fn, lambda: all(fusable(t) for t in transforms))
+    if any(getattr(t.update, _STAGES, None) is not None for t in transforms):
+        declare_stages(update_fn, lambda state: _member_stages(transforms, state))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
@@ -489,6 +559,15 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
+    if getattr(inner.update, _STAGES, None) is not None:
+        declare_stages(
+            update_fn,
+            lambda state: (
+                stages(inner, tuple(state[n] for n in names))
+                if isinstance(state, dict) and list(state) == names
+                else ()
+            ),
+        )
     return GradientTransformation(init_fn, accepting(update_fn, extra_keywords(inner)))
 
 

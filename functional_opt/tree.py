@@ -576,8 +576,19 @@ class BufferLeaves:
         return norm
 
     def all_finite(self, xs: Sequence[Tensor]) -> Tensor:
-        """A 0-d bool tensor: every element of every leaf is finite (the gaps left out)."""
-        return _lists.all_finite(self._regions(xs))
+        """A 0-d bool tensor: every element of every leaf is finite (the gaps left out).
+
+        The smallest and largest element of each region (``torch.aminmax``, which propagates
+        NaN) are finite exactly when all its elements are: one vectorized pass, eager or
+        compiled (an infinity norm, ``torch._foreach_norm(xs, inf)``, measured 25x slower on
+        a CPU thread)."""
+        flags = []
+        for region in self._regions(xs):
+            real = torch.view_as_real(region) if region.is_complex() else region
+            flags.append(torch.isfinite(torch.stack(torch.aminmax(real))).all())
+        if not flags:
+            return torch.ones((), dtype=torch.bool)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
     def scale_leaves(
         self, xs: Sequence[Tensor], factors: Sequence[Tensor] | Tensor

@@ -13,14 +13,21 @@ from functional_opt.base import (
     COUNT_DTYPE,
     GradientTransformation,
     Params,
+    Stages,
     Updates,
     accepting,
+    current_stage,
+    declare_fusable,
+    declare_stages,
     declare_step_size,
     donating,
     expect_state,
     extra_keywords,
+    fusable,
     inner_step_size,
     safe_increment,
+    stages,
+    state_donation,
     without_donation,
     zero_count,
 )
@@ -72,6 +79,24 @@ def _nonzero(xs: list[Tensor]) -> list[bool]:
         values = torch.stack([flags[i] for i in index]).tolist()
         out.update(zip(index, map(bool, values), strict=True))
     return [out[i] for i in range(len(flags))]
+
+
+def _aliases(updates: Updates, buffers: list[Tensor]) -> bool:
+    """Whether the buffers of packed ``updates`` include one of ``buffers`` (an inner transform
+    that passed its input through, as ``identity`` does)."""
+    held = updates.buffers if tree._is_buffered(updates) else ()
+    return any(x is b for x in held for b in buffers)
+
+
+def _buffered_like(updates: Updates, acc: PyTree) -> bool:
+    """Whether the updates and the accumulators are packed trees held in buffers of one layout
+    (then no leaf is ``None`` in one and present in the other). The params are only passed on
+    to the inner transform, whatever they are."""
+    return (
+        tree._is_buffered(updates)
+        and tree._is_buffered(acc)
+        and tree._same_layout(updates.layout, acc.layout)
+    )
 
 
 class MultiSteps:
@@ -152,6 +177,7 @@ class MultiSteps:
         self._accepted = extra_keywords(opt)  # the keywords ``opt`` takes, and no others
         self._use_grad_mean = use_grad_mean
         self._accumulator_dtype = accumulator_dtype
+        self._stage_key = id(self)  # its key among the engine's stages (a plain int to trace)
 
     @property
     def inner_opt(self) -> GradientTransformation:
@@ -174,9 +200,11 @@ class MultiSteps:
     def init(self, params: Params) -> MultiStepsState:
         want = self._accumulator_dtype
         # Never narrower than the param: the float32 default must not round float64 gradients.
+        # (elementwise: a packed tree's accumulators are buffers of its layout, one dtype each)
         acc = tree.map_params(
             lambda p: torch.zeros_like(p, dtype=torch.promote_types(want or p.dtype, p.dtype)),
             params,
+            elementwise=True,
         )
         skip_state: PyTree = ()
         if self._should_skip is not None:  # its state's structure, from zero updates (optax)
@@ -244,6 +272,8 @@ class MultiSteps:
         donate: bool,
     ) -> tuple[Updates, MultiStepsState]:
         """A mini-step that is not skipped."""
+        if _buffered_like(updates, state.acc_grads):
+            return self._accumulate_buffers(updates, state, params, extra, donate)
         g, at = tree.split(updates)
         old = at.take(state.acc_grads, "state.acc_grads")
         acc_all = at.flat(state.acc_grads, "state.acc_grads")
@@ -324,6 +354,114 @@ class MultiSteps:
             select_tree(emit, cleared, running_tree),
         )
 
+    def _emits(self, state: MultiStepsState) -> bool | None:
+        """Whether the next mini-step emits, when that can be read for free (eager mode, CPU
+        counters, an int ``k`` or a CPU tensor); else ``None``."""
+        mini = state.mini_step
+        if not (isinstance(mini, Tensor) and _can_branch(mini)):
+            return None
+        step = state.gradient_step
+        if not (isinstance(step, Tensor) and _can_branch(step)):
+            return None
+        k = self._window(step)
+        if isinstance(k, Tensor) and not _can_branch(k):
+            return None
+        return bool(mini == k - 1)
+
+    def stages(self, state: Any) -> Stages:
+        """The engine's stages (:func:`functional_opt.base.declare_stages`): whether this
+        mini-step emits, when that can be read for free, and the inner transform's own."""
+        if self._should_skip is not None or not isinstance(state, MultiStepsState):
+            return ()
+        emits = self._emits(state)
+        mine: Stages = () if emits is None else ((self._stage_key, emits),)
+        return mine + stages(self._opt, state.inner_opt_state)
+
+    def _accumulate_buffers(
+        self,
+        updates: Updates,
+        state: MultiStepsState,
+        params: Params | None,
+        extra: dict[str, Any],
+        donate: bool,
+    ) -> tuple[Updates, MultiStepsState]:
+        """A mini-step over packed trees held in buffers of one layout (updates, accumulators
+        and the params if given): the accumulation is a few ops per buffer, and where the
+        emission is known in Python (eager CPU counters, or the stage the engine compiles for)
+        a mini-step that emits nothing is that accumulation alone."""
+        g, at = tree.split(updates, elementwise=True)
+        old = at.take(state.acc_grads, "state.acc_grads")
+        mini = state.mini_step
+        k = self._window(state.gradient_step)
+        dtypes = _lists.promoted(old, g)
+        acc_w, g_w = _lists.cast(old, dtypes), _lists.cast(g, dtypes)
+        n = safe_increment(mini).to(torch.float64)
+        step = _lists.div_scalar(_lists.sub(g_w, acc_w), n) if self._use_grad_mean else g_w
+        if (
+            donate
+            and _lists.use_foreach(acc_w)
+            and all(a is o for a, o in zip(acc_w, old, strict=True))
+        ):
+            torch._foreach_add_(acc_w, step)
+            acc = acc_w
+        else:
+            acc = _lists.add(acc_w, step)
+        acc = _lists.like(acc, old)
+        emit = mini == k - 1
+        next_mini = safe_increment(mini) % k
+        next_gradient = torch.where(emit, safe_increment(state.gradient_step), state.gradient_step)
+        known = current_stage(self._stage_key) if torch.compiler.is_compiling() else None
+        if known is None and _can_branch(mini):
+            known = bool(emit)
+        if known is False:  # the accumulation alone: the inner transform does not run
+            return at.updates(negative_zeros_like(g)), MultiStepsState(
+                next_mini,
+                next_gradient,
+                state.inner_opt_state,
+                at.carry(state.acc_grads, acc, "state.acc_grads"),
+            )
+        inner_in = at.updates(_lists.like(acc, g))
+        # With the state donated, the accumulators are cleared (or kept) in their own buffers;
+        # the inner transform then may not write its updates into them (its input).
+        reuse = (
+            donate
+            and _lists.use_foreach(old)
+            and not (torch.is_grad_enabled() and _lists.tracked(old))
+        )
+        if known is True:
+            inner_updates, inner_state = self._opt.update(
+                inner_in,
+                state.inner_opt_state,
+                params,
+                **(state_donation(extra) if reuse else extra),
+            )
+            if reuse and not _aliases(inner_updates, old):
+                for a in old:
+                    a.zero_()
+                cleared = at.carry(state.acc_grads, old, "state.acc_grads")
+            else:
+                cleared = at.carry(state.acc_grads, [torch.zeros_like(a) for a in acc])
+            return inner_updates, MultiStepsState(next_mini, next_gradient, inner_state, cleared)
+        # Not known (an accelerator's counter, torch.compile without the engine's stage, vmap):
+        # both outcomes computed and selected; the old inner state may be kept, so the inner
+        # transform does not donate it (the selected one is written into it when donated).
+        inner_updates, inner_state = self._opt.update(
+            inner_in, state.inner_opt_state, params, **without_donation(extra)
+        )
+        out, where = tree.split(inner_updates, elementwise=True)
+        out = _lists.where(emit, out, negative_zeros_like(out))  # (before acc is written)
+        kept = [torch.where(emit, torch.zeros_like(a), a) for a in acc]
+        if reuse:
+            for a, k in zip(old, kept, strict=True):
+                a.copy_(k)
+            kept = old
+        return where.updates(out), MultiStepsState(
+            next_mini,
+            next_gradient,
+            select_tree(emit, inner_state, state.inner_opt_state, into=donate),
+            at.carry(state.acc_grads, kept, "state.acc_grads"),
+        )
+
     def has_updated(self, state: MultiStepsState) -> Tensor:
         """True right after a mini-step that applied the inner transform."""
         return (state.mini_step == 0) & (state.gradient_step > 0)
@@ -335,6 +473,10 @@ class MultiSteps:
             return self.update(updates, state, params, **extra)
 
         declare_step_size(update, inner_step_size(self._opt))  # emits 0 or the inner update
+        # Over packed trees held in buffers the accumulation is elementwise; a should-skip
+        # function is the user's and sees leaves.
+        declare_fusable(update, lambda: self._should_skip is None and fusable(self._opt))
+        declare_stages(update, self.stages)
         return GradientTransformation(self.init, accepting(update, self._accepted))
 
 

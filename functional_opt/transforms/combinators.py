@@ -17,6 +17,7 @@ from functional_opt.base import (
     expect_state,
     extra_keywords,
 )
+from functional_opt.packed import Packed
 from functional_opt.tree import PyTree
 
 __all__ = ["MaskedState", "PartitionState", "masked", "partition"]
@@ -29,9 +30,17 @@ class MaskedState(NamedTuple):
 
 
 def _expand(labels: PyTree | Callable[[Params], PyTree], reference: PyTree, what: str) -> list[Any]:
-    """Labels (or bools) for each flat leaf of ``reference``; ``labels`` may be a prefix tree."""
+    """Labels (or bools) for each flat leaf of ``reference``; ``labels`` may be a prefix tree.
+
+    A packed ``reference`` is matched by its tree (a mask is written for the params' tree, not
+    for the ``Packed`` node around it); a callable gets the packed tree itself, and may answer
+    with a tree for either."""
     if callable(labels):
         labels = labels(reference)
+    if isinstance(labels, Packed):
+        labels = labels.tree
+    if isinstance(reference, Packed):
+        reference = reference.tree  # (a Packed flattens to its tree: the same leaves, in order)
     try:
         full = optree.tree_broadcast_prefix(
             labels, reference, none_is_leaf=True, namespace=tree.NAMESPACE

@@ -16,6 +16,7 @@ from functional_opt.base import (
     check_extra,
     declare_fusable,
     declare_step_size,
+    donating,
     expect_state,
     extra_keywords,
     fusable,
@@ -45,21 +46,62 @@ def negative_zeros_like(xs: list[Tensor]) -> list[Tensor]:
     return [torch.full_like(x, -0.0) for x in xs]
 
 
-def select_tree(cond: Tensor, on_true: Any, on_false: Any) -> Any:
+def select_tree(cond: Tensor, on_true: Any, on_false: Any, *, into: bool = False) -> Any:
     """Leafwise ``torch.where(cond, a, b)`` over two trees of the same structure (non-tensor
-    leaves taken from ``on_false``)."""
+    leaves taken from ``on_false``).
+
+    ``into=True`` promises that ``on_false`` is donated (a donated old state): each result is
+    then written into ``on_false``'s tensor where it can be (a plain tensor of the result's
+    dtype that autograd does not track), so a compiled step updates the state in place instead
+    of returning fresh buffers (whose first touch costs page faults on every step). The values
+    are the same either way."""
     a, spec = tree.flatten_buffered(on_true)
-    b = tree.Leaves(a, spec, on_true).flat_buffered(on_false, "state")
-    out = [_select(cond, x, y) for x, y in zip(a, b, strict=True)]
+    b, spec_b = tree.flatten_buffered(on_false)
+    if spec_b != spec or not all(map(_same_kind, a, b)):
+        # (a packed tree held in buffers in one and loose in the other, as a state restored
+        # from a checkpoint: leaf by leaf)
+        a, spec = tree.flatten(on_true)
+        b = tree.Leaves(a, spec, on_true).flat(on_false, "state")
+    out = [_select(cond, x, y, into) for x, y in zip(a, b, strict=True)]
     return tree.unflatten(spec, out)
 
 
-def _select(cond: Tensor, x: Any, y: Any) -> Any:
+def _same_kind(x: Any, y: Any) -> bool:
+    """Whether two leaves of :func:`tree.flatten_buffered` pair up: two packed trees of one
+    layout, or two leaves that are not packed trees."""
+    if isinstance(x, Packed) or isinstance(y, Packed):
+        return (
+            isinstance(x, Packed)
+            and isinstance(y, Packed)
+            and tree._same_layout(x.layout, y.layout)
+        )
+    return True
+
+
+def _select_tensor(cond: Tensor, x: Tensor, y: Tensor, into: bool) -> Tensor:
+    if x is y:
+        return y
+    chosen = torch.where(cond, x, y).to(y.dtype)
+    if (
+        into
+        and _lists.use_foreach([y])
+        and not (torch.is_grad_enabled() and y.requires_grad)
+        and chosen.shape == y.shape
+    ):
+        y.copy_(chosen)
+        return y
+    return chosen
+
+
+def _select(cond: Tensor, x: Any, y: Any, into: bool = False) -> Any:
     if isinstance(x, Tensor) and isinstance(y, Tensor):
-        return torch.where(cond, x, y).to(y.dtype)
+        return _select_tensor(cond, x, y, into)
     if isinstance(x, Packed) and isinstance(y, Packed):  # packed with one layout: by buffer
         assert x.buffers is not None and y.buffers is not None and y.layout is not None
-        return Packed(y.layout, buffers=_lists.where_like(cond, x.buffers, y.buffers))
+        buffers = [
+            _select_tensor(cond, bx, by, into) for bx, by in zip(x.buffers, y.buffers, strict=True)
+        ]
+        return Packed(y.layout, buffers=buffers)
     return y
 
 
@@ -95,6 +137,7 @@ def apply_if_finite(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ApplyIfFiniteState]:
         check_extra(extra, "apply_if_finite", accepted)
+        donated = donating(extra, accepted)  # the old state: the selected one goes into it
         expect_state(state, ApplyIfFiniteState, "apply_if_finite")
         g, at = tree.split(updates, elementwise=True)
         finite = at.all_finite(g)
@@ -112,7 +155,7 @@ def apply_if_finite(
             notfinite,
             finite,
             torch.where(finite, state.total_notfinite, safe_increment(state.total_notfinite)),
-            select_tree(apply, new_inner, state.inner_state),
+            select_tree(apply, new_inner, state.inner_state, into=donated),
         )
 
     # skipped steps give zero updates: still proportional to the inner transform's step size
