@@ -14,12 +14,34 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from functional_opt import _lists
 from functional_opt.dreamerv3 import dreamerv3
 
 from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params, overlapping
 from .transform_optimizer import TransformOptimizer, _Layout
 
 __all__ = ["DreamerV3Optimizer"]
+
+
+def _all_reduced(buckets: list[FlatBucket], parts: list[Tensor], n: int) -> list[Tensor]:
+    """Each bucket's ``[2, k]`` local sums (:meth:`FlatBucket.squares`) summed over the ranks of
+    the buckets' process group (as they are when it is ``None``), all in one ``all_reduce`` of a
+    ``[2, n]`` tensor in the group's param order (the same on every rank, unlike the buckets'
+    orders), in float64 when the buckets' dtypes differ."""
+    group = buckets[0].group
+    if group is None:
+        return parts
+    dtypes = {t.dtype for t in parts}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    total = parts[0].new_zeros((2, n), dtype=dtype)
+    for bucket, part in zip(buckets, parts, strict=True):
+        total[:, bucket.positions] = part.to(dtype)
+    torch.distributed.all_reduce(total, group=group)
+    return [
+        total[:, bucket.positions].to(part.dtype)
+        for bucket, part in zip(buckets, parts, strict=True)
+    ]
+
 
 _FLOAT_OPTIONS = ("lr", "agc", "parameter_norm_min", "beta1", "beta2", "eps")
 
@@ -139,12 +161,15 @@ class DreamerV3Optimizer(TransformOptimizer):
             bucket.take_grads(plan)  # type: ignore[arg-type]
             for bucket, plan in zip(flat, plans, strict=True)
         ]
+        squares = None
+        if flat[0].sharded and group["agc"] > 0:
+            squares = _all_reduced(flat, [b.squares() for b in flat], len(params))
         step = group["step"] + 1
         warmup = group["warmup_steps"]
         lr = group["lr"] * (min(1.0, (step - 1) / warmup) if warmup else 1.0)
         b1, b2 = group["beta1"], group["beta2"]
         names = (self.state_names["nu"], self.state_names["ema"])
-        for bucket, indices in zip(flat, present, strict=True):
+        for k, (bucket, indices) in enumerate(zip(flat, present, strict=True)):
             if not indices:
                 continue
             bucket.step(
@@ -157,6 +182,7 @@ class DreamerV3Optimizer(TransformOptimizer):
                 beta1=b1,
                 beta2=b2,
                 eps=group["eps"],
+                squares=None if squares is None else squares[k],
             )
             bucket.bind_state(self.state, names, indices)
         group["step"] = step
@@ -173,24 +199,35 @@ class DreamerV3Optimizer(TransformOptimizer):
         cached = buckets.get(index)
         if cached is not None and cached[0] == ids and all(b.intact() for b in cached[1]):
             return cached[1]
+        tensors, shards = params, None
         if not eligible_params(params):
-            return None
+            # DTensors (FSDP2, HSDP): the same buckets over their local shards, the norms'
+            # partial sums resolved in one collective per step (the params' storage is
+            # FSDP2's: never owned, whatever own_param_storage says)
+            shards = _lists.local_shards(params)
+            if shards is None or not eligible_params(shards.locals):
+                return None
+            tensors = shards.locals
+        own = self.own_param_storage and shards is None
         by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(params):
+        for i, p in enumerate(tensors):
             by_kind.setdefault((p.device, p.dtype), []).append(i)
         shared: set[int] = set()
-        if not self.own_param_storage:
-            for cluster in overlapping(params):
-                if len({(params[i].device, params[i].dtype) for i in cluster}) > 1:
+        if not own:
+            for cluster in overlapping(tensors):
+                if len({(tensors[i].device, tensors[i].dtype) for i in cluster}) > 1:
                     return None  # memory shared across dtypes: the generic path's order
                 shared.update(cluster)
         names = (self.state_names["nu"], self.state_names["ema"])
         current = []
         for members in by_kind.values():
             bucket = FlatBucket(
-                [params[i] for i in members],
+                [tensors[i] for i in members],
                 shared=[k for k, i in enumerate(members) if i in shared],
-                own_param_storage=self.own_param_storage,
+                own_param_storage=own,
+                keys=None if shards is None else [params[i] for i in members],
+                group=None if shards is None else shards.group,
+                positions=members,
             )
             bucket.adopt_state(self.state, names)
             current.append(bucket)

@@ -152,6 +152,21 @@ def _eligible_grad(g: Tensor, view: Tensor) -> bool:
     )
 
 
+def _local(x: Tensor) -> Tensor:
+    """A ``DTensor``'s local shard (the shard itself, not a copy), or ``x``."""
+    local: Tensor = getattr(x, "_local_tensor", x)
+    return local
+
+
+def _placed_like(x: Tensor, ref: Tensor) -> Tensor:
+    """``x`` (a ``DTensor``) with ``ref``'s mesh and placements (redistributed if it has
+    others, e.g. state loaded from a checkpoint of another layout)."""
+    mesh, placements = ref.device_mesh, ref.placements  # type: ignore[attr-defined]
+    if x.device_mesh != mesh or x.placements != placements:  # type: ignore[attr-defined]
+        x = x.redistribute(mesh, placements)  # type: ignore[attr-defined]
+    return x
+
+
 def overlapping(params: Sequence[Tensor]) -> list[list[int]]:
     """Groups of indices of params whose memory may overlap (weights tied by storage, views of
     one another), each with at least two members. Conservative: each param counts as the whole
@@ -220,8 +235,19 @@ class FlatBucket:
         params: list[Tensor],
         shared: Collection[int] = (),
         own_param_storage: bool = False,
+        keys: Sequence[Tensor] | None = None,
+        group: Any = None,
+        positions: Sequence[int] | None = None,
     ) -> None:
+        """``params`` are plain tensors. For a sharded group they are the local shards of the
+        ``DTensor`` params ``keys`` (whose ``.grad`` and optimizer-state entries the bucket then
+        serves, as ``DTensor``s of the params' placements wrapping its views), and ``group`` is
+        the process group over which the shards' partial sums add up (``None``: no sum across
+        ranks, every param replicated). ``positions``: each param's index in its param group
+        (default: its index in ``params``)."""
         self.own = own_param_storage
+        self.sharded = keys is not None
+        self.group = group
         self.kernels: dict[Callable[..., Any], _kernels._Compiled] = {}
         """Compiled kernels of the per-param calls (see :meth:`_call`)."""
         shared = set() if own_param_storage else set(shared)
@@ -245,6 +271,14 @@ class FlatBucket:
         direct.sort(key=lambda i: params[i].numel())
         order = [i for n in merged + staged for i in by_size[n]] + shared_order + direct
         self.params = [params[i] for i in order]
+        self.keys: list[Tensor] = self.params if keys is None else [keys[i] for i in order]
+        self.positions = torch.tensor(
+            [order[k] if positions is None else positions[order[k]] for k in range(len(order))]
+        )
+        """Each param's index in its param group, in bucket order: the bucket orders params by
+        their (local) sizes, which may differ between ranks; the group's order does not."""
+        self.group_order = self.positions.tolist()
+        """What holds each param's ``.grad`` and state: the param, or its ``DTensor``."""
         self.sizes = [p.numel() for p in self.params]
         n_merged = sum(len(by_size[n]) for n in merged)
         n_staged = n_merged + sum(len(by_size[n]) for n in staged)
@@ -273,6 +307,11 @@ class FlatBucket:
         self.mu_views = self._views(self.mu)
         self.p_views = self._views(self.p, len(self.params) if own_param_storage else n_staged)
         """Views of the scratch buffer shaped like the params it covers."""
+        self.grad_entries = self._entries(self.g_views)
+        self.nu_entries = self._entries(self.nu_views)
+        self.mu_entries = self._entries(self.mu_views)
+        """What ``.grad`` and the state entries are set to: the views (``DTensor``s wrapping
+        them for a sharded bucket)."""
         self.merged_runs = _runs(self.sizes[:n_merged], 0, 0)
         self.staged_runs = _runs(self.sizes[n_merged:n_staged], n_merged, self.merged_numel)
         self.direct = list(range(n_shared, len(self.params)))
@@ -308,7 +347,7 @@ class FlatBucket:
         }
         """Per direct param: its ``[1, n]`` rows of the gradient, the param, both moments, its flat
         gradient and param, and its step-size slot."""
-        self.data_ptrs = list(map(Tensor.data_ptr, self.params))
+        self.data_ptrs = self._data_ptrs()
         self.everyone = list(range(len(self.params)))
         self.unbound = set(self.everyone)
         """Params whose optimizer-state entries are not yet the bucket's views."""
@@ -332,48 +371,75 @@ class FlatBucket:
         head = flat[: sum(sizes)]
         return [v.view_as(p) for v, p in zip(torch.split(head, sizes), params, strict=True)]
 
+    def _entries(self, views: list[Tensor]) -> list[Tensor]:
+        if not self.sharded:
+            return views
+        from torch.distributed.tensor import DTensor
+
+        out: list[Tensor] = []
+        for view, key in zip(views, self.keys, strict=True):
+            mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
+            out.append(
+                DTensor.from_local(
+                    view, mesh, placements, shape=key.shape, stride=key.stride(), run_check=False
+                )
+            )
+        return out
+
+    def _data_ptrs(self) -> list[int]:
+        if self.sharded:
+            return [_local(k).data_ptr() for k in self.keys]
+        return list(map(Tensor.data_ptr, self.params))
+
     def intact(self) -> bool:
         """Whether every param still has the memory it had when the bucket was built (nobody
-        re-pointed ``p.data``)."""
-        return list(map(Tensor.data_ptr, self.params)) == self.data_ptrs
+        re-pointed ``p.data``, or a ``DTensor``'s local shard)."""
+        return self._data_ptrs() == self.data_ptrs
 
     def adopt_state(self, states: dict[Tensor, dict[str, Any]], names: tuple[str, str]) -> None:
         """Make ``states[p][names]`` the bucket's views, copying values that live elsewhere
         (after ``load_state_dict``, or state made by the generic path)."""
         rms, momentum = names
-        for i, (p, nu, mu) in enumerate(
-            zip(self.params, self.nu_views, self.mu_views, strict=True)
-        ):
-            entry = states.get(p)
+        for i, key in enumerate(self.keys):
+            entry = states.get(key)
             if not entry:
                 continue
-            for name, view in ((rms, nu), (momentum, mu)):
+            for name, views, entries in (
+                (rms, self.nu_views, self.nu_entries),
+                (momentum, self.mu_views, self.mu_entries),
+            ):
                 current = entry.get(name)
-                if current is None or current.data_ptr() == view.data_ptr():
+                if current is None or current is entries[i]:
                     continue
-                view.copy_(current)
-                entry[name] = view
+                if self.sharded and hasattr(current, "device_mesh"):
+                    current = _local(_placed_like(current, key))
+                if current.data_ptr() != views[i].data_ptr():
+                    views[i].copy_(current)
+                entry[name] = entries[i]
             self.unbound.discard(i)
 
     def bind_state(
         self, states: dict[Tensor, dict[str, Any]], names: tuple[str, str], present: list[int]
     ) -> None:
-        """Give the params at ``present`` that have no state entry yet the bucket's views."""
+        """Give the params at ``present`` that have no state entry yet the bucket's views (in
+        the group's order: ``state_dict`` keeps the insertion order, and gathering a sharded
+        state issues one collective per entry in that order, which must agree across ranks)."""
         if not self.unbound:
             return
-        for i in present:
+        for i in sorted(present, key=self.group_order.__getitem__):
             if i in self.unbound:
-                entry = states[self.params[i]]
-                entry[names[0]] = self.nu_views[i]
-                entry[names[1]] = self.mu_views[i]
+                entry = states[self.keys[i]]
+                entry[names[0]] = self.nu_entries[i]
+                entry[names[1]] = self.mu_entries[i]
                 self.unbound.discard(i)
 
     @staticmethod
     def _rows(flat: Tensor, run: Run) -> Tensor:
         return flat[run.offset : run.offset + run.rows * run.size].view(run.rows, run.size)
 
-    def _run_norms(self, rows: Tensor) -> Tensor:
-        """The L2 norm of each row of ``rows`` (in the moment dtype).
+    def _run_norms(self, rows: Tensor, squared: bool = False) -> Tensor:
+        """The L2 norm of each row of ``rows`` (in the moment dtype; its square with
+        ``squared``).
 
         Long float32/float64 rows use BLAS dot products (one stream at full read bandwidth);
         other float32/64 runs and small runs one eager ``vector_norm``; long 16-bit runs a
@@ -382,27 +448,37 @@ class FlatBucket:
         mdtype = self.nu.dtype
         count, size = rows.shape
         if rows.dtype == mdtype and size >= DOT_ROWS and count <= DOT_MAX_COUNT:
-            return torch.stack([torch.dot(r, r) for r in rows]).sqrt_()
+            dots = torch.stack([torch.dot(r, r) for r in rows])
+            return dots if squared else dots.sqrt_()
         out: Tensor
         if rows.dtype == mdtype or count * size < MERGE:
             out = torch.linalg.vector_norm(rows, dim=1, dtype=mdtype)
         else:
             out = _kernels.call(_row_norms, rows, mdtype)
-        return out
+        return out.square() if squared else out
 
     @staticmethod
     def _factors(g_norms: Tensor, p_norms: Tensor, agc: float, pmin: float) -> Tensor:
         """Each tensor's clip factor ``1 / max(1, ||g|| / (agc max(pmin, ||p||)))``."""
         return agc_factors_from_norms(g_norms, p_norms, agc, pmin)
 
-    def _run_factors(self, run: Run, agc: float, pmin: float) -> Tensor:
+    def _run_factors(
+        self, run: Run, agc: float, pmin: float, factors: Tensor | None = None
+    ) -> Tensor:
+        if factors is not None:
+            return factors[run.first : run.first + run.rows]
         if agc <= 0:
             return torch.ones(run.rows, dtype=self.nu.dtype, device=self.g.device)
         p_norms = self._run_norms(self._rows(self.p, run))
         return self._factors(self._run_norms(self._rows(self.g, run)), p_norms, agc, pmin)
 
     def _step_direct(
-        self, indices: list[int], agc: float, pmin: float, scalars: list[Tensor]
+        self,
+        indices: list[int],
+        agc: float,
+        pmin: float,
+        scalars: list[Tensor],
+        factors: Tensor | None = None,
     ) -> None:
         """The direct params: norms, clip factors, then one kernel call per param on its own
         storage. Float32/64 params of at least :data:`INTERLEAVE` elements are taken one at a
@@ -413,6 +489,12 @@ class FlatBucket:
         math would run once per vector of elements: measured up to 40% slower.)"""
         mdtype = self.nu.dtype
         device = self.g.device
+        if factors is not None:  # given (a sharded step's, from all-reduced norms)
+            rows = factors.view(-1, 1)
+            for i in indices:
+                g, p, nu, mu, _, _, step_size = self.direct_args[i]
+                self._call(_apply, g, p, nu, mu, rows[i : i + 1], step_size, *scalars)
+            return
         if agc <= 0:
             one = torch.ones((1, 1), dtype=mdtype, device=device)
             for i in indices:
@@ -463,21 +545,36 @@ class FlatBucket:
         not a view of the bucket (to copy in: :meth:`take_grads`); ``None`` if a gradient is
         one the flat path cannot take (sparse, a tensor subclass, another shape). Changes
         nothing."""
-        views = self.g_views
-        if all(map(operator.is_, map(_GRAD, self.params), views)):  # the usual step
+        entries = self.grad_entries
+        if all(map(operator.is_, map(_GRAD, self.keys), entries)):  # the usual step
             return self.everyone, []
         present = []
         copy = []
-        for i, (p, view) in enumerate(zip(self.params, views, strict=True)):
-            g = p.grad
+        for i, (key, entry) in enumerate(zip(self.keys, entries, strict=True)):
+            g = key.grad
             if g is None:
                 continue
             present.append(i)
-            if g is not view:
-                if not _eligible_grad(g, view):
+            if g is not entry:
+                if self._grad_source(i, g) is None:
                     return None
                 copy.append(i)
         return present, copy
+
+    def _grad_source(self, i: int, g: Tensor) -> Tensor | None:
+        """The plain tensor to copy param ``i``'s gradient ``g`` from (its local shard for a
+        sharded bucket), or ``None`` if the flat path cannot take it."""
+        view = self.g_views[i]
+        if self.sharded:
+            key = self.keys[i]
+            if (
+                type(g) is not type(key)
+                or g.device_mesh != key.device_mesh  # type: ignore[attr-defined]
+                or g.placements != key.placements  # type: ignore[attr-defined]
+            ):
+                return None
+            g = _local(g)
+        return g if _eligible_grad(g, view) else None
 
     def take_grads(self, plan: tuple[list[int], list[int]]) -> list[int]:
         """Copy the gradients of ``plan`` (from :meth:`plan_grads`) that are not views of the
@@ -485,11 +582,40 @@ class FlatBucket:
         present, copy = plan
         if copy:
             views = self.g_views
-            grads = [self.params[i].grad for i in copy]
+            grads = [self._grad_source(i, self.keys[i].grad) for i in copy]  # type: ignore[arg-type]
             torch._foreach_copy_([views[i] for i in copy], grads)  # type: ignore[arg-type]
             for i in copy:
-                self.params[i].grad = views[i]
+                self.keys[i].grad = self.grad_entries[i]
         return present
+
+    def squares(self) -> Tensor:
+        """``[2, n]``: each param's local ``||g||^2`` and ``||p||^2`` (bucket order, moment
+        dtype), what a sharded step sums over the ranks (one collective for all of them) before
+        :meth:`step` takes them as ``squares``. Copies the merged and staged params into the
+        scratch buffer, where their runs' norms are taken and where that step finds them."""
+        mdtype = self.nu.dtype
+        self._gather(0, self.shared_slice.start)
+        g_sq: list[Tensor] = []
+        p_sq: list[Tensor] = []
+        for run in (*self.merged_runs, *self.staged_runs):
+            g_sq.append(self._run_norms(self._rows(self.g, run), squared=True))
+            p_sq.append(self._run_norms(self._rows(self.p, run), squared=True))
+        singles: list[Tensor] = []
+        for i in range(self.shared_slice.start, self.shared_slice.stop):
+            singles.append(torch.linalg.vector_norm(self.g_views[i], dtype=mdtype).square())
+            singles.append(torch.linalg.vector_norm(self.targets[i], dtype=mdtype).square())
+        wide = self.g.dtype == mdtype
+        for i in self.direct:
+            flat_g, flat_p = self.direct_args[i][4:6]
+            if wide:  # BLAS dot products
+                singles += [torch.dot(flat_g, flat_g), torch.dot(flat_p, flat_p)]
+            else:  # 16-bit: a compiled cascade sum, without widened copies
+                singles += list(self._call(_kernels.norm_pair, flat_g, flat_p, mdtype).square())
+        if singles:
+            pairs = torch.stack(singles).view(-1, 2)
+            g_sq.append(pairs[:, 0])
+            p_sq.append(pairs[:, 1])
+        return torch.stack([torch.cat(g_sq), torch.cat(p_sq)])
 
     def step(
         self,
@@ -503,8 +629,18 @@ class FlatBucket:
         beta1: float,
         beta2: float,
         eps: float,
+        squares: Tensor | None = None,
     ) -> None:
-        """One update of the params at ``present`` (from :meth:`take_grads`)."""
+        """One update of the params at ``present`` (from :meth:`take_grads`).
+
+        ``squares`` (a sharded step's): the whole tensors' ``||g||^2`` and ``||p||^2`` of every
+        param (:meth:`squares`, summed over the ranks); the clip factors then come from them,
+        and the merged and staged params are already in the scratch buffer. Without it each
+        route takes its norms itself, interleaved with its kernel calls."""
+        factors = None
+        if squares is not None and agc > 0:
+            factors = self._factors(squares[0].sqrt(), squares[1].sqrt(), agc, pmin)
+        gathered = squares is not None
         n_params = len(self.params)
         everyone = len(present) == n_params
         absent = [] if everyone else sorted(set(range(n_params)) - set(present))
@@ -525,9 +661,13 @@ class FlatBucket:
         scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
         if self.merged_numel:
             n = self.merged_numel
-            self._gather(0, self.merged_tensors)
-            factors = [self._run_factors(run, agc, pmin) for run in self.merged_runs]
-            factor = factors[0] if len(factors) == 1 else torch.cat(factors)
+            if not gathered:
+                self._gather(0, self.merged_tensors)
+            if factors is not None:
+                factor = factors[: self.merged_tensors]
+            else:
+                parts = [self._run_factors(run, agc, pmin) for run in self.merged_runs]
+                factor = parts[0] if len(parts) == 1 else torch.cat(parts)
             spread = torch.repeat_interleave(factor, self.merged_sizes, output_size=n)
             # Small by construction: eager ops cost less than compiling one more kernel form.
             g, p, nu, mu = (t[:n].view(1, n) for t in (self.g, self.p, self.nu, self.mu))
@@ -537,20 +677,21 @@ class FlatBucket:
         # scratch buffer, their norms, one kernel call, the new values copied back while the
         # piece is still in cache.
         for run in self.pieces:
-            self._gather(run.first, run.first + run.rows)
+            if not gathered:
+                self._gather(run.first, run.first + run.rows)
             _kernels.call(
                 _apply,
                 *(self._rows(t, run) for t in (self.g, self.p, self.nu, self.mu)),
-                self._run_factors(run, agc, pmin).view(-1, 1),
+                self._run_factors(run, agc, pmin, factors).view(-1, 1),
                 self.step_rows[run.first : run.first + run.rows],
                 *scalars,
             )
             self._scatter(run.first, run.first + run.rows, has)
         if self.shared_numel:
-            self._step_shared(has, agc, pmin, scalars)
+            self._step_shared(has, agc, pmin, scalars, factors)
         direct = self.direct if has is None else [i for i in self.direct if i in has]
         if direct:
-            self._step_direct(direct, agc, pmin, scalars)
+            self._step_direct(direct, agc, pmin, scalars, factors)
         for i, nu, mu in saved:
             self.nu_views[i].copy_(nu)
             self.mu_views[i].copy_(mu)
@@ -579,7 +720,12 @@ class FlatBucket:
             torch._foreach_copy_([self.targets[i] for i in back], [self.p_views[i] for i in back])
 
     def _step_shared(
-        self, has: set[int] | None, agc: float, pmin: float, scalars: list[Tensor]
+        self,
+        has: set[int] | None,
+        agc: float,
+        pmin: float,
+        scalars: list[Tensor],
+        factors: Tensor | None = None,
     ) -> None:
         """The params that share memory: every update from the values before the step, then
         added in the group's order (eager: tied weights are rare, not worth a compiled form)."""
@@ -588,13 +734,16 @@ class FlatBucket:
         lo, hi = self.shared_offset, self.shared_offset + self.shared_numel
         mdtype = self.nu.dtype
         if agc > 0:
-            g_norms = torch.stack(
-                [torch.linalg.vector_norm(self.g_views[i], dtype=mdtype) for i in members]
-            )
-            p_norms = torch.stack(
-                [torch.linalg.vector_norm(self.targets[i], dtype=mdtype) for i in members]
-            )
-            factor = self._factors(g_norms, p_norms, agc, pmin)
+            if factors is not None:
+                factor = factors[part]
+            else:
+                g_norms = torch.stack(
+                    [torch.linalg.vector_norm(self.g_views[i], dtype=mdtype) for i in members]
+                )
+                p_norms = torch.stack(
+                    [torch.linalg.vector_norm(self.targets[i], dtype=mdtype) for i in members]
+                )
+                factor = self._factors(g_norms, p_norms, agc, pmin)
             sizes = torch.tensor(self.sizes[part], device=factor.device)
             spread = torch.repeat_interleave(factor, sizes, output_size=hi - lo).view(1, -1)
         else:

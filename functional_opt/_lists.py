@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -394,3 +394,49 @@ def where_like(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list
 def zeros_like(xs: Sequence[Tensor]) -> list[Tensor]:
     """Fresh zeros shaped like each tensor."""
     return [torch.zeros_like(x) for x in xs]
+
+
+class Shards(NamedTuple):
+    """``DTensor``s as local shards: see :func:`local_shards`."""
+
+    locals: list[Tensor]
+    """Each ``DTensor``'s local tensor (the shard itself: writing it writes the ``DTensor``)."""
+    group: Any
+    """The process group over whose ranks the shards' partial sums add up to the whole
+    tensors' sums; ``None`` when nothing is sharded (local sums are whole)."""
+
+
+def local_shards(xs: Sequence[Tensor]) -> Shards | None:
+    """``xs`` as their local shards, when that is all the math on them needs: every one a
+    ``DTensor`` on one device mesh, placed by ``Shard``/``Replicate`` only (no ``Partial``: the
+    local values are the tensors' own), sharded over the same one mesh dimension or none (FSDP2:
+    ``(Shard(0),)``; HSDP: ``(Replicate(), Shard(0))``), with plain dense local tensors. Then
+    elementwise math runs on the shards as on plain tensors, and a sum over a whole tensor (of
+    squares, of counts) is the sum over ``group`` of its shards' sums (one collective for any
+    number of them). ``None`` for anything else (no ``DTensor``, mixed meshes, several sharded
+    mesh dimensions, ...)."""
+    dtensor = dtensor_type()
+    if dtensor is None or not xs or not all(isinstance(x, dtensor) for x in xs):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = xs[0].device_mesh  # type: ignore[attr-defined]
+    dims: set[int] | None = None
+    out = []
+    for x in xs:
+        placements = x.placements  # type: ignore[attr-defined]
+        if x.device_mesh != mesh or not all(  # type: ignore[attr-defined]
+            type(pl) in (Shard, Replicate) for pl in placements
+        ):
+            return None
+        sharded = {i for i, pl in enumerate(placements) if type(pl) is Shard}
+        if dims is None:
+            dims = sharded
+        if sharded != dims or len(sharded) > 1:
+            return None
+        local = x._local_tensor  # type: ignore[attr-defined]
+        if type(local) is not Tensor or local.layout != torch.strided:
+            return None
+        out.append(local)
+    group = None if not dims else mesh.get_group(next(iter(dims)))
+    return Shards(out, group)

@@ -132,12 +132,35 @@ def step_ops(config: str, n: int, sizes: list[int], ranks: int = WORLD) -> float
 # What every process runs (spawned ranks and this one alike).
 
 
-def make_model() -> nn.Module:
+def make_model(kind: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "tiny":
+        # FSDP2 gives rank 1 no element of the first layer (1 row) and 1 of 3 rows of the last.
+        return nn.Sequential(nn.Linear(4, 1), nn.Tanh(), nn.Linear(1, 3))
     # 3 output units: FSDP2 shards the last layer unevenly (2 rows and 1 row).
     return nn.Sequential(
         nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
     )
+
+
+def fast_path(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Which path the last step of ``opt``'s (single) group took: ``"sharded"`` when it ran on
+    the local shards of ``DTensor`` params (flat buckets, or the engine's packed buffers), and
+    the ranks of the process group its partial sums were summed over."""
+    buckets = opt.__dict__.get("_buckets", {}).get(0)
+    if buckets:
+        bucket = buckets[1][0]
+        group = bucket.group if bucket.sharded else None
+        sharded = all(b.sharded for b in buckets[1])
+    else:
+        return {"sharded": False, "ranks": None}
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return {"sharded": sharded, "ranks": ranks}
+
+
+def local_data_ptrs(model: nn.Module) -> list[int]:
+    """Where each param's local shard lives (FSDP2's storage, never the optimizer's)."""
+    return [p._local_tensor.data_ptr() for p in model.parameters()]  # type: ignore[attr-defined]
 
 
 def make_batches(n: int) -> list[tuple[Tensor, Tensor]]:
@@ -629,6 +652,7 @@ def _hsdp_job(rank: int, world: int, store: str, root: str) -> None:
         out[f"records_{config}"] = train(
             config, model, opt, batches_for(config)[:HALF], rank, world
         )
+        out[f"fast_{config}"] = fast_path(opt)
         out[f"placements_{config}"] = [
             (tuple(p.placements), tuple(v.placements for v in opt.state[p].values()))
             for p in model.parameters()
@@ -697,6 +721,33 @@ def _fsdp_functional(mesh: DeviceMesh) -> dict[str, Any]:
     out["all_finite_bad"] = bool(fo.loss_scale.all_finite(bad))
     out["all_finite_good"] = bool(fo.loss_scale.all_finite(dgrads))
     return out
+
+
+def _fsdp_tiny(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
+    """DreamerV3Optimizer on the tiny model (rank 1 holds no element of two params, and 1 of 3
+    rows of two others), 3 steps recorded; the first with FSDP2's fresh gradients, then with
+    gradients kept (``zero_grad(set_to_none=False)``: FSDP2 adds into the optimizer's views)."""
+    model = shard_model(make_model("tiny"), mesh)
+    opt = make_optimizer("dreamerv3", model.parameters())
+    ptrs = local_data_ptrs(model)
+    records = []
+    for batch in batches_for("dreamerv3")[:3]:
+        x, y = local(batch, rank, WORLD)
+        nn.functional.mse_loss(model(x), y).backward()
+        records.append(
+            {"before": snapshot(model, opt), "norms": norms_of(list(model.parameters()))}
+        )
+        with CollectiveLog() as log:
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+        records[-1]["after"] = full_state(model, opt)
+        records[-1]["collectives"] = log.calls
+    return {
+        "records_tiny": records,
+        "tiny_local_numels": [p.to_local().numel() for p in model.parameters()],  # type: ignore[attr-defined]
+        "fast_tiny": fast_path(opt),
+        "storage_kept_tiny": local_data_ptrs(model) == ptrs,
+    }
 
 
 def _fsdp_inf_transform(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
@@ -782,11 +833,15 @@ def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
     for config in CONFIGS:
         model = shard_model(make_model(), mesh)
         opt = make_optimizer(config, model.parameters())
+        ptrs = local_data_ptrs(model)
         out[f"records_{config}"] = train(config, model, opt, batches_for(config), rank, world)
         out[f"final_{config}"] = full_state(model, opt)
+        out[f"fast_{config}"] = fast_path(opt)
+        out[f"storage_kept_{config}"] = local_data_ptrs(model) == ptrs
         if config == "dreamerv3":
             states = next(iter(opt.state.values()))
             out["state_placements"] = {k: v.placements for k, v in states.items()}
+    out.update(_fsdp_tiny(mesh, rank))
     out["functional"] = _fsdp_functional(mesh)
     out["inf_transform"] = _fsdp_inf_transform(mesh, rank)
     out["inf_stepper"] = _fsdp_inf_stepper(mesh, rank)
@@ -941,7 +996,11 @@ class GradientTrainer:
 
 
 def build_at(
-    config: str, snap: dict[str, Any], dtype: torch.dtype, magnitudes: bool = False
+    config: str,
+    snap: dict[str, Any],
+    dtype: torch.dtype,
+    magnitudes: bool = False,
+    kind: str = "mlp",
 ) -> tuple[nn.Module, torch.optim.Optimizer, list[Tensor]]:
     """A single-process model and optimizer of ``config`` holding ``snap``'s params and state (in
     ``dtype``; their absolute values with ``magnitudes``), and ``snap``'s gradients."""
@@ -952,7 +1011,7 @@ def build_at(
         v = v.to(dtype)
         return v.abs() if magnitudes else v.clone()
 
-    model = make_model().to(dtype)
+    model = make_model(kind).to(dtype)
     order = names(model)
     with torch.no_grad():
         for n, p in zip(order, model.parameters(), strict=True):
@@ -970,11 +1029,17 @@ def build_at(
     return model, opt, [cast(snap["grads"][n]) for n in order]
 
 
-def replay(config: str, snap: dict[str, Any], dtype: torch.dtype, magnitudes: bool = False) -> Any:
+def replay(
+    config: str,
+    snap: dict[str, Any],
+    dtype: torch.dtype,
+    magnitudes: bool = False,
+    kind: str = "mlp",
+) -> Any:
     """One step of ``config`` in one process from ``snap`` (see :func:`build_at`): the norms it
     used (as :func:`norms_of`, or the stepper's ``grad_norm``) and :func:`full_state` after it.
     The stepper (accumulation 1) gets the gradient through :class:`GradientTrainer`."""
-    model, opt, grads = build_at(config, snap, dtype, magnitudes)
+    model, opt, grads = build_at(config, snap, dtype, magnitudes, kind)
     if config == "stepper":
         stepper = MixedPrecisionOptimizationStepper(
             opt, gradient_accumulation_steps=1, clip_norm=STEPPER_CLIP, process_group=None
@@ -989,7 +1054,9 @@ def replay(config: str, snap: dict[str, Any], dtype: torch.dtype, magnitudes: bo
     return norms, full_state(model, opt)
 
 
-def check_step(config: str, record: dict[str, Any], exact: bool, msg: str) -> None:
+def check_step(
+    config: str, record: dict[str, Any], exact: bool, msg: str, kind: str = "mlp"
+) -> None:
     """``record`` (a rank's step) against its replay in this process: bit for bit when
     ``exact``, else at the rule's bound for :func:`step_ops` (and :func:`norm_ops` for the
     norms), relative to the magnitudes of the terms (the replay on absolute values, float64)."""
@@ -997,8 +1064,8 @@ def check_step(config: str, record: dict[str, Any], exact: bool, msg: str) -> No
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks
     try:
-        norms, after = replay(config, before, torch.float32)
-        _, magnitude = replay(config, before, torch.float64, magnitudes=True)
+        norms, after = replay(config, before, torch.float32, kind=kind)
+        _, magnitude = replay(config, before, torch.float64, magnitudes=True, kind=kind)
     finally:
         torch.set_num_threads(threads)
     if exact:
@@ -1032,12 +1099,14 @@ def check_step(config: str, record: dict[str, Any], exact: bool, msg: str) -> No
             assert_bitwise(got, want, what)
 
 
-def check_lockstep(config: str, ranks: list[dict[str, Any]], key: str, exact: bool) -> None:
+def check_lockstep(
+    config: str, ranks: list[dict[str, Any]], key: str, exact: bool, kind: str = "mlp"
+) -> None:
     records = ranks[0][key]
     for other in ranks[1:]:
         assert_bitwise(other[key], records, f"{key}: the ranks differ")  # whole values everywhere
     for t, record in enumerate(records):
-        check_step(config, record, exact, f"{key}, step {t + 1}")
+        check_step(config, record, exact, f"{key}, step {t + 1}", kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1067,6 +1136,27 @@ def test_matches_single_process(engine: str, config: str, request: pytest.Fixtur
     check_lockstep(config, ranks, f"records_{config}", exact=engine == "ddp")
     assert_identical(ranks[0][f"final_{config}"], ranks[1][f"final_{config}"])
     assert_bitwise(ranks[0][f"final_{config}"], ranks[0][f"records_{config}"][-1]["after"])
+
+
+def test_fsdp_dreamerv3_steps_on_local_shards(fsdp: list[dict[str, Any]]) -> None:
+    """DreamerV3Optimizer's flat buckets serve FSDP2's DTensor params (their local shards, the
+    norms' partial sums all-reduced over the mesh), and FSDP2's storage of the params stays."""
+    for rank, result in enumerate(fsdp):
+        assert result["fast_dreamerv3"] == {"sharded": True, "ranks": [0, 1]}, rank
+        assert result["storage_kept_dreamerv3"], rank
+
+
+def test_fsdp_dreamerv3_uneven_and_empty_shards(fsdp: list[dict[str, Any]]) -> None:
+    """Rank 1 holds no element of the first layer: the same one all-reduce on every rank, and
+    every step in lockstep with one process (fresh gradients, then kept ones)."""
+    assert fsdp[0]["tiny_local_numels"] == [4, 1, 2, 2]
+    assert fsdp[1]["tiny_local_numels"] == [0, 0, 1, 1]
+    for result in fsdp:
+        assert result["fast_tiny"]["sharded"] and result["storage_kept_tiny"]
+        for record in result["records_tiny"]:
+            calls = record.pop("collectives")
+            assert [c.kind for c in calls] == ["all_reduce"], calls
+    check_lockstep("dreamerv3", fsdp, "records_tiny", exact=False, kind="tiny")
 
 
 def test_fsdp_state_is_sharded_like_the_params(fsdp: list[dict[str, Any]]) -> None:
@@ -1298,7 +1388,12 @@ def test_fsdp_fp16_overflow_on_one_rank_skips_everywhere(fsdp: list[dict[str, An
 @pytest.mark.parametrize("config", CHECKPOINTED)
 def test_hsdp_matches_single_process(config: str, hsdp: list[dict[str, Any]]) -> None:
     """In lockstep with one process; a ``(Replicate, Shard)`` norm sums 2 shards' partials."""
-    for result in hsdp:
+    for rank, result in enumerate(hsdp):
+        if config == "dreamerv3":  # local shards; norms summed over the shard dimension only
+            assert result["fast_dreamerv3"] == {
+                "sharded": True,
+                "ranks": [rank - rank % 2, rank - rank % 2 + 1],
+            }
         for param, state in result[f"placements_{config}"]:
             assert param == (Replicate(), Shard(0))
             assert all(s == param for s in state)  # state sharded like the params
