@@ -68,8 +68,12 @@ def _full_like(params: Params, value: float, spec: MomentDtype) -> PyTree:
 
 
 def bias_correction(xs: list[Tensor], decay: float | Tensor, count: Tensor) -> list[Tensor]:
-    """``x / (1 - decay**count)`` for each moment ``x`` (``count`` >= 1)."""
-    return _lists.div_scalar(xs, 1 - decay ** count.to(torch.float64))
+    """``x / (1 - decay**count)`` for each moment ``x`` (``count`` >= 1), computed as ``x`` times
+    the correction's reciprocal (in float64, then rounded to ``x``'s dtype: two roundings, as
+    the division's are). A multiplication, because compiled over a buffer a division by a
+    scalar stays a vector division per element, several times the cost of a multiplication:
+    with three of them per element DreamerV3's compiled update was compute-bound."""
+    return _lists.mul(xs, 1 / (1 - decay ** count.to(torch.float64)))
 
 
 _debias = bias_correction  # scale_by_rms's ``bias_correction`` argument shadows the name
