@@ -10,7 +10,9 @@ the caller gave up the old state), which write into the state buffers they are g
 
 Reductions of a ``DTensor`` (``norms``, ``global_norm``, ``all_finite``) return **full values**:
 plain tensors, equal on every rank, of the whole logical tensor (not the local shard), combined
-with one collective per device mesh; they mix with sharded tensors as 0-d scalars.
+with one collective per device mesh; they mix with sharded tensors as 0-d scalars. Within
+:func:`sharded_reductions` the same reductions take plain tensors that are *local shards* and
+sum their partial values over the ranks (what ``TransformOptimizer``'s engine runs under FSDP2).
 
 Ops with a scalar (``mul``, ``add_scalar``, ``div_scalar``) keep each tensor's dtype even for 0-d
 tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dtype.
@@ -18,9 +20,10 @@ tensors, which type promotion would otherwise widen to a 0-d tensor scalar's dty
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -331,18 +334,36 @@ def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
 
 def norms(xs: Sequence[Tensor]) -> list[Tensor]:
     """The L2 norm of each tensor (0-d tensors), computed in at least float32; for a ``DTensor``
-    the norm of the whole tensor, as a plain tensor (see :func:`full_values`)."""
+    the norm of the whole tensor, as a plain tensor (see :func:`full_values`), and within
+    :func:`sharded_reductions` that of the whole tensor each local shard is part of."""
+    if not xs:
+        return []
+    if _SHARDED is not None:
+        return _summed_norms(local_norms(xs))
+    return full_values(local_norms(xs))
+
+
+def local_norms(xs: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`norms` of the tensors as they are on this rank: a ``DTensor``'s is partial (see
+    :func:`full_values`), a local shard's that of the shard; no collective."""
     if not xs:
         return []
     half = any(x.dtype in _HALF for x in xs)
     if use_foreach(xs):
         if half and all(type(x) is Tensor and x.dtype in (*_HALF, torch.float32) for x in xs):
             # accumulated and returned in float32, without float32 copies of the inputs
-            return full_values(torch._foreach_norm(list(xs), 2, dtype=torch.float32))
+            return list(torch._foreach_norm(list(xs), 2, dtype=torch.float32))
         xs = [x.float() if x.dtype in _HALF else x for x in xs] if half else xs
-        return full_values(torch._foreach_norm(list(xs)))
+        return list(torch._foreach_norm(list(xs)))
     xs = [x.float() if x.dtype in _HALF else x for x in xs]
-    return full_values([torch.linalg.vector_norm(x) for x in xs])
+    return [torch.linalg.vector_norm(x) for x in xs]
+
+
+def _summed_norms(local: list[Tensor]) -> list[Tensor]:
+    """Whole norms from local shards' norms: their squares summed over the ranks (one
+    collective), the square roots in each norm's dtype."""
+    whole = sum_over_shards(stack(local).square()).sqrt()
+    return [v.to(n.dtype) for v, n in zip(whole.unbind(), local, strict=True)]
 
 
 def stack(xs: Sequence[Tensor]) -> Tensor:
@@ -354,19 +375,26 @@ def stack(xs: Sequence[Tensor]) -> Tensor:
 
 
 def global_norm(xs: Sequence[Tensor]) -> Tensor:
-    """``sqrt(sum_i ||x_i||^2)`` over all tensors (0 for an empty list)."""
+    """``sqrt(sum_i ||x_i||^2)`` over all tensors (0 for an empty list); within
+    :func:`sharded_reductions` over the whole tensors (one collective)."""
     if not xs:
         return torch.zeros(())
+    if _SHARDED is not None:
+        return sum_over_shards(stack(local_norms(xs)).square().sum()).sqrt()
     out: Tensor = torch.linalg.vector_norm(stack(norms(xs)))
     return out
 
 
 def all_finite(xs: Sequence[Tensor]) -> Tensor:
-    """A 0-d bool tensor: every element of every tensor is finite. For ``DTensor``s, of every
-    shard on every rank (the non-finite elements are counted and the counts summed across ranks
-    with one collective per device mesh), so all ranks get the same flag."""
+    """A 0-d bool tensor: every element of every tensor is finite. For ``DTensor``s (and local
+    shards within :func:`sharded_reductions`), of every shard on every rank (the non-finite
+    elements are counted and the counts summed across ranks with one collective per device
+    mesh), so all ranks get the same flag."""
     if not xs:
         return torch.ones((), dtype=torch.bool)
+    if _SHARDED is not None:  # (a collective even where every local shard is empty)
+        flags = [torch.isfinite(x).all() for x in xs]
+        return non_finite_count(torch.stack(flags)) == 0
     dtensor = dtensor_type()
     if dtensor is None or not any(isinstance(x, dtensor) for x in xs):
         xs = [x for x in xs if x.numel()]  # an empty tensor is finite
@@ -440,3 +468,58 @@ def local_shards(xs: Sequence[Tensor]) -> Shards | None:
         out.append(local)
     group = None if not dims else mesh.get_group(next(iter(dims)))
     return Shards(out, group)
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions over local shards (``TransformOptimizer``'s engine under FSDP2).
+
+_SHARDED: Any = None
+"""The process group of the active :func:`sharded_reductions`, else ``None``."""
+
+
+@contextlib.contextmanager
+def sharded_reductions(group: Any) -> Iterator[None]:
+    """Within the block the tensors that the library's reductions get are *local shards* of
+    tensors sharded over the ranks of the process group ``group`` (see :func:`local_shards`):
+    :func:`norms`, :func:`global_norm`, :func:`all_finite` and the reductions of the trees'
+    records (:class:`functional_opt.tree.Leaves`, :class:`functional_opt.tree.BufferLeaves`)
+    compute local partial values (squares of norms, counts of non-finite elements), sum them
+    over ``group`` with one collective per call (a functional ``all_reduce``, which
+    ``torch.compile`` traces into its graph) and return the whole tensors' values, the same on
+    every rank. Elementwise math is unchanged.
+
+    Every call issues its collective whatever its inputs (a rank whose shard is empty
+    included), so every rank must make the same calls: the same trees (leaves, dtypes) on
+    every rank, which the shards of one group of ``DTensor``s are. ``group=None`` changes
+    nothing. Code compiled inside the block depends on it: compile it under the same ``group``
+    (:class:`functional_opt.engine.Runner` keys its graphs by it)."""
+    global _SHARDED
+    old = _SHARDED
+    _SHARDED = group
+    try:
+        yield
+    finally:
+        _SHARDED = old
+
+
+def sharded_group() -> Any:
+    """The process group of the active :func:`sharded_reductions`, or ``None``."""
+    return _SHARDED
+
+
+def sum_over_shards(t: Tensor) -> Tensor:
+    """``t`` summed over the ranks of the active :func:`sharded_reductions` group (one
+    ``all_reduce``; a plain tensor, also in eager mode)."""
+    from torch.distributed import _functional_collectives as fc
+
+    out: Tensor = fc.all_reduce(t, "sum", _SHARDED)
+    if not torch.compiler.is_compiling() and isinstance(out, fc.AsyncCollectiveTensor):
+        out = out.wait()
+    return out
+
+
+def non_finite_count(flags: Tensor) -> Tensor:
+    """How many of the local bool ``flags`` (one per tensor or region: all elements finite) are
+    false on all ranks of the active :func:`sharded_reductions` group (one collective, also for
+    no flags)."""
+    return sum_over_shards(flags.logical_not().sum(dtype=torch.float32).reshape(1))[0]

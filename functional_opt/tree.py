@@ -551,32 +551,55 @@ class BufferLeaves:
         return list(self.norm_vector(xs).unbind())
 
     def norm_vector(self, xs: Sequence[Tensor]) -> Tensor:
-        """The L2 norm of each leaf as one vector (at least float32), in leaf order."""
+        """The L2 norm of each leaf as one vector (at least float32), in leaf order (within
+        :func:`functional_opt._lists.sharded_reductions`, of the whole tensors whose local
+        shards the leaves are: their squares summed over the ranks in leaf order, one
+        collective)."""
+        if _lists.sharded_group() is None:
+            return self._norms(xs, squared=False)
+        return _lists.sum_over_shards(self._norms(xs, squared=True)).sqrt()
+
+    def _norms(self, xs: Sequence[Tensor], squared: bool) -> Tensor:
+        """Each leaf's L2 norm (its square with ``squared``), one vector in leaf order."""
         pieces = []
         for b, x in enumerate(xs):
             dtype = torch.promote_types(x.dtype, torch.float32) if not x.is_complex() else None
             for start, count, size in self.layout.runs(b):
                 rows = x[start : start + count * size].view(count, size)
-                pieces.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
+                norm = torch.linalg.vector_norm(rows, dim=1, dtype=dtype)
+                pieces.append(norm.square() if squared else norm)
         return self._leaf_vector(pieces)
 
     def norm_vectors(self, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """:meth:`norm_vector` of two lists of buffers."""
-        return self.norm_vector(xs), self.norm_vector(ys)
+        """:meth:`norm_vector` of two lists of buffers (sharded: one collective for both)."""
+        if _lists.sharded_group() is None:
+            return self.norm_vector(xs), self.norm_vector(ys)
+        a, b = self._norms(xs, squared=True), self._norms(ys, squared=True)
+        both = _lists.sum_over_shards(torch.cat([a, b])).sqrt()
+        return both[: a.numel()].to(a.dtype), both[a.numel() :].to(b.dtype)
 
     def _regions(self, xs: Sequence[Tensor]) -> list[Tensor]:
         return [x[start:end] for b, x in enumerate(xs) for start, end in self.layout.regions(b)]
 
     def global_norm(self, xs: Sequence[Tensor]) -> Tensor:
-        """``sqrt(sum_i ||x_i||^2)`` over all leaves (the gaps left out)."""
+        """``sqrt(sum_i ||x_i||^2)`` over all leaves (the gaps left out; sharded: the squares
+        summed over the ranks, one collective even where this rank holds no element)."""
         regions = self._regions(xs)
+        if _lists.sharded_group() is not None:
+            dtype = torch.float32
+            for x in xs:
+                dtype = torch.promote_types(dtype, x.real.dtype)
+            local = [n.square() for n in _lists.local_norms(regions)]
+            total = _lists.stack(local).sum() if local else torch.zeros((), dtype=dtype)
+            return _lists.sum_over_shards(total.to(dtype)).sqrt()
         if not regions:
             return torch.zeros(())
         norm: Tensor = torch.linalg.vector_norm(_lists.stack(_lists.norms(regions)))
         return norm
 
     def all_finite(self, xs: Sequence[Tensor]) -> Tensor:
-        """A 0-d bool tensor: every element of every leaf is finite (the gaps left out).
+        """A 0-d bool tensor: every element of every leaf is finite (the gaps left out;
+        sharded: on every rank, one collective).
 
         The smallest and largest element of each region (``torch.aminmax``, which propagates
         NaN) are finite exactly when all its elements are: one vectorized pass, eager or
@@ -586,6 +609,9 @@ class BufferLeaves:
         for region in self._regions(xs):
             real = torch.view_as_real(region) if region.is_complex() else region
             flags.append(torch.isfinite(torch.stack(torch.aminmax(real))).all())
+        if _lists.sharded_group() is not None:
+            local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
+            return _lists.non_finite_count(local) == 0
         if not flags:
             return torch.ones((), dtype=torch.bool)
         return flags[0] if len(flags) == 1 else torch.stack(flags).all()
