@@ -39,6 +39,8 @@ from functional_opt.base import (
     extra_keywords,
     fusable,
     inner_step_size,
+    staged,
+    stages,
 )
 from functional_opt.packed import Packed
 
@@ -71,7 +73,11 @@ def _donated_step(
         copy: bool = False,
     ) -> tuple[Updates, OptState]:
         new, new_state = tx.update(updates, state, params, **extra)
+        if isinstance(new, Packed) and new.buffers is None:
+            new = new.repack()  # a leaf-by-leaf transform's result: loose leaves
         if targets is not None:
+            if whole and not tree._same_layout(new.layout, updates.layout):
+                targets, whole = updates.layout.views(targets), False  # leaf by leaf
             us = list(new.buffers) if whole else new.layout.views(new.buffers)
             for t, u in zip(targets, us, strict=True):
                 t.copy_(u if copy else (t + u).to(t.dtype))
@@ -124,7 +130,14 @@ class Runner:
         ):
             return self._eager(updates, state, params, extra, targets, whole, copy)
         updates.layout.prepare()  # (plans made inside a graph would make it recompile)
-        key: tuple[Any, ...] = (*sorted(extra.items()), ("apply", targets is None, whole, copy))
+        # values of the state read for free (a CPU counter): one graph per stage, traced and
+        # run under it (MultiSteps: a mini-step that emits nothing compiles its accumulation)
+        found = stages(self.tx, state)
+        key: tuple[Any, ...] = (
+            *sorted(extra.items()),
+            ("apply", targets is None, whole, copy),
+            ("stages", found),
+        )
         if key in self.failed:
             return self._eager(updates, state, params, extra, targets, whole, copy)
         step = self.steps.get(key)
@@ -139,9 +152,11 @@ class Runner:
             step = torch.compile(own, fullgraph=True, dynamic=False)
             self.steps[key] = step
         if not first:
-            return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
+            with staged(found):
+                return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
         try:
-            return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
+            with staged(found):
+                return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
         except torch._dynamo.exc.TorchDynamoException as err:
             # (raised while tracing or compiling, before the compiled code ran)
             out = self._eager(updates, state, params, extra, targets, whole, copy)  # a user error

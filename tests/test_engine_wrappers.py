@@ -364,3 +364,24 @@ def test_tree_masks_and_labels_apply_to_packed_trees(make: Any) -> None:
         u_packed, packed_state = tx.update(fo.pack(grads), packed_state, packed_params)
         assert_bitwise(u_packed.tree, u)
     assert_bitwise(fo.state_to_dict(packed_state), fo.state_to_dict(state))
+
+
+# ------------------------------------------------------------------------------ not fusable
+def test_fused_step_of_a_leaf_by_leaf_transform_runs_its_own_update() -> None:
+    """``fused_step`` of a transform that is not fusable (``adaptive_grad_clip`` needs each
+    leaf's shape) runs its update leaf by leaf and adds it into the params' buffers: the same
+    ops as ``update`` + ``apply_updates``, so the same bits (it raised a TypeError on the loose
+    result)."""
+    tx = fo.chain(fo.adaptive_grad_clip(0.1), fo.adam(1e-2))
+    assert not fusable(tx)
+    step_fn = fo.fused_step(tx)
+    gen = torch.Generator().manual_seed(3)
+    params = _tree(gen)
+    packed = fo.pack(copy.deepcopy(params))
+    state, fast_state = tx.init(params), tx.init(packed)
+    for _ in range(3):
+        grads = _tree(gen, 0.1)
+        packed, fast_state = step_fn(packed, fo.pack(grads), fast_state)
+        u, state = tx.update(grads, state, params)
+        params = fo.apply_updates(params, u)
+        assert_bitwise(packed.tree, params)
