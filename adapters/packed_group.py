@@ -17,6 +17,16 @@ gradient present with its param's dtype, per-parameter state shaped like the par
   only if the transform reads them;
 * ``p += u`` is one multi-tensor add into the params' own storage, which the optimizer never
   replaces (their storage identity, ties and aliases stay as they are).
+
+A group of ``DTensor`` params (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(), Shard(0))``; see
+:func:`functional_opt._lists.local_shards`) with ``DTensor`` gradients of the same placements
+steps the same way over the params' *local shards*: the buffers hold this rank's elements, the
+update is added into each ``DTensor``'s local tensor (FSDP2's own storage, never moved), and
+``optimizer.state[p][name]`` is a ``DTensor`` of the param's placements wrapping the buffer's
+view (what ``torch.distributed.checkpoint`` saves and reshards). The compiled update runs within
+:func:`functional_opt._lists.sharded_reductions`, so its reductions (a global norm, per-leaf
+norms, a finite check) are of the whole tensors: local partial sums added up over the shard
+dimension's process group by one all-reduce per reduction, inside the graph.
 """
 
 from __future__ import annotations
@@ -28,8 +38,9 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from functional_opt import tree
+from functional_opt import _lists, tree
 from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable
 from functional_opt.engine import Runner
 from functional_opt.packed import Layout, Packed, pack
@@ -41,7 +52,12 @@ APPLY_INSIDE_MAX = 4
 
 class PackedGroup:
     """The buffers of one param group (made on its first packed step, rebuilt when the group's
-    params or transform change)."""
+    params or transform change).
+
+    ``params`` are plain tensors. For a group of ``DTensor`` params ``keys`` (see
+    :func:`shards_of`) they are the params' local shards, and ``group`` is the process group
+    over which the shards' partial sums add up (``None``: nothing sharded, local sums are
+    whole); the state entries are then ``DTensor``s wrapping the buffers' views."""
 
     def __init__(
         self,
@@ -49,8 +65,16 @@ class PackedGroup:
         templates: dict[str, list[Tensor]],
         tx: GradientTransformation,
         slots_type: Callable[[Sequence[Any]], Any],
+        keys: Sequence[Tensor] | None = None,
+        group: Any = None,
     ) -> None:
         self.slots_type = slots_type
+        self.sharded = keys is not None
+        """Whether the group's params are ``DTensor``s stepped on their local shards."""
+        self.keys: list[Tensor] = list(params if keys is None else keys)
+        self.group = group
+        self.steps = 0
+        """Steps this group took here (what tests read to know the engine ran)."""
         stand_ins = slots_type([torch.empty_like(p, device="meta") for p in params])
         self.layout: Layout = pack(stand_ins).layout  # type: ignore[assignment]
         device = params[0].device
@@ -72,6 +96,11 @@ class PackedGroup:
             ]
             self.state[name] = buffers
             self.state_views[name] = self._views(buffers, params)
+        self.state_entries = {
+            name: self._entries(views) for name, views in self.state_views.items()
+        }
+        """What ``optimizer.state[p][name]`` holds: the views (``DTensor``s wrapping them for a
+        sharded group)."""
         # few leaves (large ones, by the size rule of the optimizer): the update is added into
         # the params inside the compiled graph, in the pass that computes it (with many leaves
         # inductor's code for the slices was slower than one multi-tensor add after it)
@@ -89,17 +118,52 @@ class PackedGroup:
         views = self.layout.views(buffers)
         return [v if v is not None else p for v, p in zip(views, params, strict=True)]
 
+    def _entries(self, views: list[Tensor]) -> list[Tensor]:
+        if not self.sharded:
+            return views
+        from torch.distributed.tensor import DTensor
+
+        out: list[Tensor] = []
+        for view, key in zip(views, self.keys, strict=True):
+            mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
+            out.append(
+                DTensor.from_local(
+                    view, mesh, placements, shape=key.shape, stride=key.stride(), run_check=False
+                )
+            )
+        return out
+
     def adopt_state(self, entries: list[dict[str, Tensor]]) -> None:
-        """Make each ``entries[j][name]`` a view of this group's buffers (copying values that
-        live elsewhere: fresh state, or state loaded from a checkpoint)."""
+        """Make each ``entries[j][name]`` a view of this group's buffers (a ``DTensor`` wrapping
+        it for a sharded group), copying values that live elsewhere: fresh state, or state
+        loaded from a checkpoint (redistributed to the param's placements where it has others).
+        The entries' dicts keep their order."""
         for name, views in self.state_views.items():
+            wanted = self.state_entries[name]
             current = [e[name] for e in entries]
-            if all(map(operator.is_, current, views)):
+            if all(map(operator.is_, current, wanted)):
                 continue
-            moved = [(v, c) for v, c in zip(views, current, strict=True) if v is not c]
-            torch._foreach_copy_([v for v, _ in moved], [c for _, c in moved])
-            for e, v in zip(entries, views, strict=True):
-                e[name] = v
+            moved = [
+                (v, self._local(c, k))
+                for v, c, w, k in zip(views, current, wanted, self.keys, strict=True)
+                if c is not w
+            ]
+            moved = [(v, c) for v, c in moved if v is not c]
+            if moved:
+                torch._foreach_copy_([v for v, _ in moved], [c for _, c in moved])
+            for e, w in zip(entries, wanted, strict=True):
+                e[name] = w
+
+    def _local(self, value: Tensor, key: Tensor) -> Tensor:
+        """``value`` (a state entry of ``key``'s) as this rank's shard of it, on ``key``'s
+        placements."""
+        if not self.sharded or not hasattr(value, "device_mesh"):
+            return value
+        mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
+        if value.device_mesh != mesh or value.placements != placements:  # type: ignore[attr-defined]
+            value = value.redistribute(mesh, placements)  # type: ignore[attr-defined]
+        local: Tensor = value._local_tensor  # type: ignore[attr-defined]
+        return local
 
     def packed_state(self, name: str) -> Packed:
         return Packed(self.layout, buffers=self.state[name])
@@ -112,7 +176,12 @@ class PackedGroup:
         ratio: float | Tensor,
     ) -> Any:
         """One update: gradients into the buffer, the fused update, ``p += ratio * u``.
-        Returns the new state tree (packed per-parameter subtrees)."""
+        Returns the new state tree (packed per-parameter subtrees). For a sharded group
+        ``params`` and ``grads`` are the ``DTensor``s, stepped on their local shards."""
+        if self.sharded:
+            params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
+            grads = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
+        self.steps += 1
         # The gradient buffer is ours (a copy) unless the params' gradients are its views (bucket
         # views set by the user): then they are the user's, and the update may not be written
         # over them (the optimizer never writes the gradients).
@@ -129,16 +198,16 @@ class PackedGroup:
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(self.layout, tree=self.slots_type(params))
         if self.apply_inside and not isinstance(ratio, Tensor) and ratio == 1.0:
-            _, new_state = self.runner(updates, state, given, donate, list(params))
+            _, new_state = self._run(updates, state, given, donate, list(params))
             return new_state
         if not ours:  # the update into a persistent buffer of ours, not a fresh one per step
             if self.scratch is None:
                 self.scratch = [torch.empty_like(b) for b in self.grads]
                 self.scratch_views = self._views(self.scratch, params)
-            _, new_state = self.runner(updates, state, given, donate, self.scratch, True, True)
+            _, new_state = self._run(updates, state, given, donate, self.scratch, True, True)
             _add(params, self.scratch_views, ratio)
             return new_state
-        new_updates, new_state = self.runner(updates, state, given, donate)
+        new_updates, new_state = self._run(updates, state, given, donate)
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
                 views = self.grad_views
@@ -150,6 +219,25 @@ class PackedGroup:
             )
         _add(params, views, ratio)
         return new_state
+
+    def _run(
+        self,
+        updates: Packed,
+        state: Any,
+        given: Packed,
+        donate: dict[str, Any],
+        targets: list[Tensor] | None = None,
+        whole: bool = False,
+        copy: bool = False,
+    ) -> tuple[Any, Any]:
+        """The runner's update, within the group's sharded reductions (a sharded group's; the
+        runner of a group only ever runs under one). Under a ``TorchDispatchMode`` of the user's
+        (one that counts ops or collectives) ``torch.compile`` runs no compiled code: the update
+        then runs eagerly, the same transform with the same reductions."""
+        with _lists.sharded_reductions(self.group):
+            if is_in_torch_dispatch_mode(include_infra_modes=False):
+                return self.runner._eager(updates, state, given, donate, targets, whole, copy)
+            return self.runner(updates, state, given, donate, targets, whole, copy)
 
     def _probe(self, updates: Packed, state: Any) -> None:
         """Whether the transform needs the params (its pure update without them raises): then
@@ -212,6 +300,47 @@ def packable(
         for p, entry in zip(params, templates, strict=True)
         for t in entry.values()
     )
+
+
+def shards_of(
+    tx: GradientTransformation,
+    params: list[Tensor],
+    grads: list[Tensor | None],
+    templates: list[dict[str, Tensor]],
+) -> _lists.Shards | None:
+    """For a group of ``DTensor`` params that can step on packed buffers over their local
+    shards (see the module docstring): the shards and their process group; else ``None``.
+    Every gradient must be a ``DTensor`` of its param's mesh and placements whose local tensor
+    is plain, dense, of the local shard's shape, dtype and device. What is checked is the same
+    on every rank (types, placements, whole shapes), so all ranks take the same path."""
+    if torch.compiler.is_compiling() or not params or not fusable(tx):
+        return None
+    shards = _lists.local_shards(params)
+    if shards is None:
+        return None
+    device = shards.locals[0].device
+    dtensor = _lists.dtensor_type()
+    for p, g, local in zip(params, grads, shards.locals, strict=True):
+        if g is None or type(g) is not dtensor or local.device != device:
+            return None
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        if g.device_mesh is not mesh and g.device_mesh != mesh:  # type: ignore[attr-defined]
+            return None
+        if g.placements != placements:  # type: ignore[attr-defined]
+            return None
+        lg = g._local_tensor  # type: ignore[attr-defined]
+        if type(lg) is not Tensor or lg.layout != torch.strided or lg.device != device:
+            return None
+        if lg.dtype != local.dtype or lg.shape != local.shape:
+            return None
+    if len({id(p) for p in params}) != len(params):
+        return None
+    ok = all(
+        t.shape == p.shape
+        for p, entry in zip(params, templates, strict=True)
+        for t in entry.values()
+    )
+    return shards if ok else None
 
 
 def templates_by_name(templates: list[dict[str, Tensor]]) -> dict[str, list[Tensor]]:

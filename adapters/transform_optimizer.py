@@ -60,6 +60,7 @@ from .packed_group import (
     PackedGroup,
     flatten_to_packed,
     packable,
+    shards_of,
     templates_by_name,
 )
 
@@ -793,21 +794,34 @@ class TransformOptimizer(torch.optim.Optimizer):
     def _engine(
         self, layout: _Layout, params: list[Tensor], grads: list[Tensor | None]
     ) -> PackedGroup | None:
-        """The group's :class:`PackedGroup` when this step can run on it, else ``None``."""
+        """The group's :class:`PackedGroup` when this step can run on it, else ``None``. A
+        group of ``DTensor`` params (FSDP2, HSDP) runs on it over its local shards. Every check
+        gives the same answer on every rank (whole sizes, types, placements), so the ranks
+        take the same path and issue the same collectives."""
         if not self.fused_steps or layout.engine is False:
             return None
         if layout.engine is None and sum(p.numel() for p in params) < self.fused_min_numel:
             return None
+        shards = None
         if not packable(layout.tx, params, grads, layout.param_template):
-            return None
+            shards = shards_of(layout.tx, params, grads, layout.param_template)
+            if shards is None:
+                return None
         if layout.engine is None:
             try:
                 templates = templates_by_name(layout.param_template)
-                layout.engine = PackedGroup(params, templates, layout.tx, ParamSlots)
+                if shards is None:
+                    layout.engine = PackedGroup(params, templates, layout.tx, ParamSlots)
+                else:
+                    layout.engine = PackedGroup(
+                        shards.locals, templates, layout.tx, ParamSlots, params, shards.group
+                    )
             except NotPackable:
                 layout.engine = False
                 return None
         engine: PackedGroup = layout.engine
+        if engine.sharded != (shards is not None):
+            return None
         return engine
 
     def _engine_update(
