@@ -147,6 +147,11 @@ def fast_path(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Which path the last step of ``opt``'s (single) group took: ``"sharded"`` when it ran on
     the local shards of ``DTensor`` params (flat buckets, or the engine's packed buffers), and
     the ranks of the process group its partial sums were summed over."""
+    layouts = opt.__dict__.get("_layouts") or [None]
+    engine = getattr(layouts[0], "engine", None)
+    if engine:  # TransformOptimizer's engine (a PackedGroup)
+        ranks = None if engine.group is None else dist.get_process_group_ranks(engine.group)
+        return {"sharded": engine.sharded, "ranks": ranks, "steps": engine.steps}
     buckets = opt.__dict__.get("_buckets", {}).get(0)
     if buckets:
         bucket = buckets[1][0]
@@ -177,9 +182,18 @@ def local(batch: tuple[Tensor, Tensor], rank: int, world: int) -> tuple[Tensor, 
 def make_optimizer(config: str, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
     if config == "dreamerv3":
         return DreamerV3Optimizer(params, lr=1e-2, agc=AGC, warmup_steps=0)
-    if config == "transform":
-        return TransformOptimizer(params, fo.chain(fo.clip_by_global_norm(MAX_NORM), fo.adam(1e-2)))
+    if config in ("transform", "engine"):
+        opt = TransformOptimizer(params, fo.chain(fo.clip_by_global_norm(MAX_NORM), fo.adam(1e-2)))
+        if config == "engine":  # the small model steps on the engine (compiled, packed buffers)
+            opt.fused_min_numel = 0
+        return opt
     return TransformOptimizer(params, fo.adam(1e-2))
+
+
+def reference(config: str) -> str:
+    """The config a step is replayed with in one process: ``engine``'s steps by the per-tensor
+    path of the same chain (one compiled graph per replayed step would take minutes)."""
+    return "transform" if config == "engine" else config
 
 
 class Trainer:
@@ -438,9 +452,10 @@ def gradient_syncs(calls: list[Collective]) -> int:
 
 
 def _fsdp_step_collectives(mesh: DeviceMesh, rank: int) -> dict[str, list[Collective]]:
-    """The collectives of one optimizer step (after a first one) of the clipping configs."""
+    """The collectives of one optimizer step (after a first one) of the clipping configs (the
+    engine's update runs eagerly under the log's dispatch mode: the same reductions)."""
     out = {}
-    for config in CHECKPOINTED:
+    for config in (*CHECKPOINTED, "engine"):
         model = shard_model(make_model(), mesh)
         opt = make_optimizer(config, model.parameters())
         for batch in make_batches(2):
@@ -750,6 +765,64 @@ def _fsdp_tiny(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
     }
 
 
+def _fsdp_engine(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]:
+    """TransformOptimizer's engine (clip_by_global_norm + adam compiled over packed buffers) on
+    FSDP2's local shards: the MLP (its last layer sharded unevenly) for STEPS steps with a DCP
+    checkpoint after HALF, loaded into a new model and optimizer that takes the other HALF
+    steps; then the tiny model (rank 1 holds no element of two params) for 3 steps. Every step
+    is recorded for lockstep, with the collectives the compiled step issued (the shard group's
+    sequence number counts them: a dispatch mode would make torch.compile run no compiled code)
+    and whether the engine took it."""
+    group = mesh.get_group(0)
+    out: dict[str, Any] = {}
+
+    def run(
+        model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple[Tensor, Tensor]]
+    ) -> list[dict[str, Any]]:
+        params = list(model.parameters())
+        records = []
+        for batch in batches:
+            x, y = local(batch, rank, WORLD)
+            nn.functional.mse_loss(model(x), y).backward()
+            records.append({"before": snapshot(model, opt), "norms": norms_of(params)})
+            engine_steps = fast_path(opt).get("steps", 0)
+            seq = group._get_sequence_number_for_group()
+            opt.step()
+            records[-1]["collectives"] = group._get_sequence_number_for_group() - seq
+            records[-1]["on_engine"] = fast_path(opt).get("steps", 0) == engine_steps + 1
+            opt.zero_grad()
+            records[-1]["after"] = full_state(model, opt)
+        return records
+
+    batches = batches_for("engine")
+    model = shard_model(make_model(), mesh)
+    opt = make_optimizer("engine", model.parameters())
+    ptrs = local_data_ptrs(model)
+    records = run(model, opt, batches[:HALF])
+    dcp_save(model, opt, root / "fsdp_engine")
+    out["saved_engine"] = full_state(model, opt)
+    out["records_engine"] = records + run(model, opt, batches[HALF:])
+    out["final_engine"] = full_state(model, opt)
+    out["fast_engine"] = fast_path(opt)
+    out["storage_kept_engine"] = local_data_ptrs(model) == ptrs
+    out["state_placements_engine"] = {
+        k: v.placements for k, v in opt.state[model[0].weight].items()
+    }
+    model = shard_model(make_model(), mesh)
+    opt = make_optimizer("engine", model.parameters())
+    dcp_load(model, opt, root / "fsdp_engine")
+    out["loaded_engine"] = full_state(model, opt)
+    out["records_resumed_engine"] = run(model, opt, batches[HALF:])
+    out["resumed_engine"] = full_state(model, opt)
+    model = shard_model(make_model("tiny"), mesh)
+    opt = make_optimizer("engine", model.parameters())
+    ptrs = local_data_ptrs(model)
+    out["records_engine_tiny"] = run(model, opt, batches[:3])
+    out["fast_engine_tiny"] = fast_path(opt)
+    out["storage_kept_engine_tiny"] = local_data_ptrs(model) == ptrs
+    return out
+
+
 def _fsdp_inf_transform(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
     """``apply_if_finite``: an Inf in rank 1's shard of one gradient skips the step on both."""
     model = shard_model(make_model(), mesh)
@@ -842,6 +915,7 @@ def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
             states = next(iter(opt.state.values()))
             out["state_placements"] = {k: v.placements for k, v in states.items()}
     out.update(_fsdp_tiny(mesh, rank))
+    out.update(_fsdp_engine(mesh, rank, Path(root)))
     out["functional"] = _fsdp_functional(mesh)
     out["inf_transform"] = _fsdp_inf_transform(mesh, rank)
     out["inf_stepper"] = _fsdp_inf_stepper(mesh, rank)
@@ -1016,7 +1090,7 @@ def build_at(
     with torch.no_grad():
         for n, p in zip(order, model.parameters(), strict=True):
             p.copy_(cast(snap["params"][n]))
-    opt = make_optimizer(config, model.parameters())
+    opt = make_optimizer(reference(config), model.parameters())
     state = {
         i: {k: cast(v) for k, v in snap["state"][n].items()}
         for i, n in enumerate(order)
@@ -1123,6 +1197,7 @@ def test_clipping_is_active(fsdp: list[dict[str, Any]]) -> None:
     )
     assert ratios.max() > 1  # agc clips some tensor
     assert logged("transform", "global_norm").max() > MAX_NORM
+    assert logged("engine", "global_norm").max() > MAX_NORM
     assert logged("stepper", "grad_norm").max() > STEPPER_CLIP
 
 
@@ -1157,6 +1232,42 @@ def test_fsdp_dreamerv3_uneven_and_empty_shards(fsdp: list[dict[str, Any]]) -> N
             calls = record.pop("collectives")
             assert [c.kind for c in calls] == ["all_reduce"], calls
     check_lockstep("dreamerv3", fsdp, "records_tiny", exact=False, kind="tiny")
+
+
+def engine_records(result: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """``key``'s records, after checking that the engine took every step over the local shards
+    with one collective (the compiled step's all-reduce of the global norm's partial sums)."""
+    records = result[key]
+    for t, record in enumerate(records):
+        assert record.pop("on_engine"), f"{key}, step {t + 1}: not on the engine"
+        assert record.pop("collectives") == 1, f"{key}, step {t + 1}"
+    return records
+
+
+def test_fsdp_transform_engine_steps_on_local_shards(fsdp: list[dict[str, Any]]) -> None:
+    """TransformOptimizer's engine serves FSDP2's DTensor params: every step compiled over the
+    local shards with one all-reduce (the global norm), in lockstep with one process; FSDP2's
+    storage of the params stays, the state is sharded like the params, and a DCP checkpoint
+    saved there loads into a new optimizer that continues bit for bit."""
+    for rank, result in enumerate(fsdp):
+        assert result["fast_engine"] == {"sharded": True, "ranks": [0, 1], "steps": STEPS}, rank
+        assert result["storage_kept_engine"], rank
+        assert result["state_placements_engine"] == {"mu": (Shard(0),), "nu": (Shard(0),)}
+        for key in ("records_engine", "records_resumed_engine"):
+            result[key] = engine_records(result, key)
+        assert_identical(result["loaded_engine"], result["saved_engine"])
+        assert_identical(result["resumed_engine"], result["final_engine"])
+    check_lockstep("engine", fsdp, "records_engine", exact=False)
+    check_lockstep("engine", fsdp, "records_resumed_engine", exact=False)
+
+
+def test_fsdp_transform_engine_uneven_and_empty_shards(fsdp: list[dict[str, Any]]) -> None:
+    """Rank 1 holds no element of the tiny model's first layer: its engine still takes every
+    step with the same one all-reduce, in lockstep with one process."""
+    for result in fsdp:
+        assert result["fast_engine_tiny"]["sharded"] and result["storage_kept_engine_tiny"]
+        result["records_engine_tiny"] = engine_records(result, "records_engine_tiny")
+    check_lockstep("engine", fsdp, "records_engine_tiny", exact=False, kind="tiny")
 
 
 def test_fsdp_state_is_sharded_like_the_params(fsdp: list[dict[str, Any]]) -> None:
@@ -1345,13 +1456,7 @@ def test_accumulation_without_sync_gives_the_same_numbers(
 # 5b. The collectives of a sharded step (the CollectiveLog harness).
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        "dreamerv3",
-        "transform",
-    ],
-)
+@pytest.mark.parametrize("config", ["dreamerv3", "transform", "engine"])
 def test_fsdp_step_resolves_its_norms_in_one_collective(
     config: str, fsdp: list[dict[str, Any]]
 ) -> None:
