@@ -38,7 +38,6 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from functional_opt import _lists, tree
 from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable
@@ -230,13 +229,9 @@ class PackedGroup:
         whole: bool = False,
         copy: bool = False,
     ) -> tuple[Any, Any]:
-        """The runner's update, within the group's sharded reductions (a sharded group's; the
-        runner of a group only ever runs under one). Under a ``TorchDispatchMode`` of the user's
-        (one that counts ops or collectives) ``torch.compile`` runs no compiled code: the update
-        then runs eagerly, the same transform with the same reductions."""
+        """The runner's update, within the group's sharded reductions (a sharded group's: the
+        runner compiles its graphs for that group)."""
         with _lists.sharded_reductions(self.group):
-            if is_in_torch_dispatch_mode(include_infra_modes=False):
-                return self.runner._eager(updates, state, given, donate, targets, whole, copy)
             return self.runner(updates, state, given, donate, targets, whole, copy)
 
     def _probe(self, updates: Packed, state: Any) -> None:

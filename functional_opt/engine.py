@@ -11,7 +11,10 @@ is a norm and one elementwise kernel per buffer, with the moments updated in the
 The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
 injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
 changing them never recompiles. Trees that are not packed, packed trees with batch
-dimensions, and calls made while already compiling run the transform's own update unchanged.
+dimensions, calls made while already compiling and calls under a ``TorchDispatchMode`` of the
+user's (where ``torch.compile`` runs no compiled code) run the transform's own update unchanged.
+Within :func:`functional_opt._lists.sharded_reductions` (``TransformOptimizer``'s engine on
+FSDP2 shards) the graphs are compiled apart, their reductions summed over the group's ranks.
 If compiling fails (before any of the compiled code ran) the update runs eagerly, with a
 warning, and that signature is not compiled again.
 """
@@ -24,8 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from functional_opt import tree
+from functional_opt import _lists, tree
 from functional_opt.base import (
     DONATE,
     STATE_ONLY,
@@ -124,6 +128,9 @@ class Runner:
         flag = extra.get(DONATE, False)
         if (
             torch.compiler.is_compiling()
+            # under a user's TorchDispatchMode (an op or collective counter) torch.compile runs
+            # no compiled code (fullgraph: it raises): the same transform runs eagerly
+            or is_in_torch_dispatch_mode(include_infra_modes=False)
             or not self.compilable
             or not _buffered(updates)
             or not (flag is True or flag is False or flag == STATE_ONLY)
@@ -138,6 +145,9 @@ class Runner:
             ("apply", targets is None, whole, copy),
             ("stages", found),
         )
+        group = _lists.sharded_group()
+        if group is not None:  # the reductions sum over its ranks (_lists.sharded_reductions)
+            key = (*key, ("sharded", id(group)))
         if key in self.failed:
             return self._eager(updates, state, params, extra, targets, whole, copy)
         step = self.steps.get(key)
