@@ -8,7 +8,10 @@ compared with one process (one thread) stepping plain params of the rank's local
 Steps are timed in CPU time of the process by default (``--clock cpu``: time spent waiting for
 a core that another process holds, or for the other rank in a collective, is not counted) or in
 wall time (``--clock wall``, the per-rank latency). Each distributed step is also counted in
-collectives (all-reduces, all-gathers, ...), one step under :class:`CollectiveLog`.
+collectives (all-reduces, all-gathers, ...), one step under :class:`CollectiveLog`, and one
+step without it by the sequence number of the mesh's process group (under a dispatch mode
+``torch.compile`` runs no compiled code, so the log sees the eager form of a compiled step: the
+number counts the compiled step's own collectives).
 
     python benchmarks/distributed.py            # the table, as in docs/distributed.md
     python benchmarks/distributed.py --quick    # 2 layers of 512, fewer steps
@@ -176,12 +179,17 @@ def _rank(rank: int, world: int, store: str, out_dir: str, config: dict[str, Any
             opt.step()  # state created (and any kernel compiled) before counting and timing
             with CollectiveLog() as log:
                 opt.step()
+            group = mesh.get_group(0)
+            seq = group._get_sequence_number_for_group()
+            opt.step()
+            issued = group._get_sequence_number_for_group() - seq
             seconds = time_steps(
                 opt, config["steps"], config["warmup"], config["clock"], dist.barrier
             )
             results[name] = {
                 "seconds": seconds,
                 "collectives": log.counts(),
+                "issued": issued,
                 "local_shapes": [tuple(p.to_local().shape) for p in params],  # type: ignore[attr-defined]
             }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -222,7 +230,8 @@ def rows(
 ) -> list[dict[str, Any]]:
     """One row per optimizer: ``name``, ``single_ms`` (one process, the rank's local sizes),
     ``fsdp_ms`` (the slower rank's median), ``ratio``, ``collectives`` (per step, by kind, on
-    one rank), ``local_params`` and ``clock``."""
+    one rank), ``issued`` (collectives of a step without the log, on the mesh's group),
+    ``local_params`` and ``clock``."""
     config = {"layers": layers, "width": width, "steps": steps, "warmup": warmup, "clock": clock}
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
@@ -251,6 +260,7 @@ def rows(
                 "fsdp_ms": 1e3 * fsdp,
                 "ratio": fsdp / seconds,
                 "collectives": ranks[0][name]["collectives"],
+                "issued": ranks[0][name]["issued"],
                 "local_params": sum(int(torch.Size(s).numel()) for s in shapes),
                 "clock": clock,
             }
@@ -263,14 +273,14 @@ def table(results: list[dict[str, Any]]) -> str:
     clock = results[0]["clock"] if results else "cpu"
     lines = [
         f"| optimizer | single process, same local sizes ({clock} ms) | FSDP2, per rank "
-        f"({clock} ms) | ratio | collectives per step (one rank) |",
-        "|---|---|---|---|---|",
+        f"({clock} ms) | ratio | collectives per step (one rank) | issued on the mesh |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(r["collectives"].items())) or "none"
         lines.append(
             f"| `{r['name']}` | {r['single_ms']:.1f} | {r['fsdp_ms']:.1f} | "
-            f"{r['ratio']:.1f}x | {counts} |"
+            f"{r['ratio']:.1f}x | {counts} | {r.get('issued', '?')} |"
         )
     return "\n".join(lines)
 

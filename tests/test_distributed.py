@@ -674,6 +674,11 @@ def _hsdp_job(rank: int, world: int, store: str, root: str) -> None:
         ]
         dcp_save(model, opt, Path(root) / f"hsdp_{config}")
         out[f"saved_{config}"] = full_state(model, opt)
+    # TransformOptimizer's engine on the shards, its norms summed over the shard dimension
+    model = shard_model(make_model(), mesh)
+    opt = make_optimizer("engine", model.parameters())
+    out["records_engine"] = train("engine", model, opt, batches_for("engine")[:HALF], rank, world)
+    out["fast_engine"] = fast_path(opt)
     _finish(out, Path(root) / f"hsdp_rank{rank}.pt")
 
 
@@ -1503,6 +1508,15 @@ def test_hsdp_matches_single_process(config: str, hsdp: list[dict[str, Any]]) ->
             assert param == (Replicate(), Shard(0))
             assert all(s == param for s in state)  # state sharded like the params
     check_lockstep(config, hsdp, f"records_{config}", exact=False)
+
+
+def test_hsdp_transform_engine_matches_single_process(hsdp: list[dict[str, Any]]) -> None:
+    """TransformOptimizer's engine on HSDP's shards: its global norm summed over the shard
+    dimension only (its group's ranks), every step in lockstep with one process."""
+    for rank, result in enumerate(hsdp):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert result["fast_engine"] == {"sharded": True, "ranks": pair, "steps": HALF}
+    check_lockstep("engine", hsdp, "records_engine", exact=False)
 
 
 @pytest.mark.parametrize("config", CHECKPOINTED)
