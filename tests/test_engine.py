@@ -385,3 +385,38 @@ def test_gradients_that_are_views_of_the_engine_buffer_are_never_written() -> No
     assert_bitwise(
         [p.detach() for p in model.parameters()], [p.detach() for p in twin.parameters()]
     )
+
+
+def test_fused_under_a_dispatch_mode_runs_the_update_eagerly() -> None:
+    """Under a user's ``TorchDispatchMode`` (a profiler, a collective counter) ``torch.compile``
+    runs no compiled code, and with ``fullgraph`` it raised: ``fo.fused`` and ``fo.fused_step``
+    run the same update eagerly there, with the eager update's bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    tx = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
+    gen = torch.Generator().manual_seed(7)
+    values = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    grads = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    params = fo.pack(values)
+    # the eager update over the same packed trees (its norms summed per run of leaves)
+    want, _ = tx.update(fo.pack(grads), tx.init(params), params)
+    mode = Counting()
+    with mode:
+        updates, _ = fo.fused(tx).update(fo.pack(grads), tx.init(params), params)
+    assert mode.calls > 0  # the update's ops ran under the mode: eagerly
+    assert_bitwise(updates.tree, want.tree)
+    expected = fo.apply_updates(copy.deepcopy(values), want.tree)
+    with mode:
+        stepped, _ = fo.fused_step(tx)(params, fo.pack(grads), tx.init(params))
+    assert_bitwise(stepped.tree, expected)
