@@ -16,10 +16,11 @@ OpenMP threads of one method slower than another's.
     python benchmarks/run.py --workloads W2  # re-measure W2 only; the others come from the store
     python benchmarks/run.py --distributed   # also the FSDP2 step (benchmarks/distributed.py)
 
-Each run stores what it measured, per workload, in ``benchmarks/results.json`` (``--results``),
-and writes the table from that store: a run limited to some workloads (``--workloads``) replaces
-their columns and keeps the others, each column still measured in one process, side by side with
-fused Adam (the table says when each was measured).
+Each run stores what it measured, per workload and method, in ``benchmarks/results.json``
+(``--results``), and writes the table from that store: a run limited to some workloads
+(``--workloads``) or methods (``--methods``) replaces those cells and keeps the others, each
+still a ratio to fused Adam measured side by side in its own run (the table says when each
+workload was last measured).
 """
 
 from __future__ import annotations
@@ -627,9 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{w.name} ({w.numel / 1e6:.1f}M params, {len(w.shapes)} tensors)")
         memory: dict[str, int | None] = {}
         results = bench(w, 5 if args.quick else args.rounds, args.methods, memory)
+        # the methods measured now replace theirs; rows measured by an earlier run stay (each
+        # row's ratio is to fused Adam measured side by side in that row's own run)
+        kept = store.get(w.name, {})
         store[w.name] = {
-            "results": results,
-            "memory": memory,
+            "results": {**kept.get("results", {}), **results},
+            "memory": {**kept.get("memory", {}), **memory},
             "numel": w.numel,
             "bandwidth": bandwidth,
             "measured": today,
