@@ -237,8 +237,13 @@ class PackedGroup:
     def _probe(self, updates: Packed, state: Any) -> None:
         """Whether the transform needs the params (its pure update without them raises): then
         each step copies them into a buffer of the layout before the compiled update, instead
-        of the graph gathering thousands of separate tensors (which compiles for minutes)."""
+        of the graph gathering thousands of separate tensors (which compiles for minutes). A
+        group of few params (:data:`APPLY_INSIDE_MAX`) is gathered inside the graph instead,
+        where inductor reads the params in the pass that uses them (a copy first measured 1.4x
+        the step of ``adamw`` on one 16.8M tensor)."""
         self.probed = True
+        if self.apply_inside:
+            return
         try:
             self.tx.update(updates, state, None)
         except (ValueError, TypeError):

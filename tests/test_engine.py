@@ -320,14 +320,19 @@ class _Small(torch.nn.Module):
         return self.c(torch.tanh(self.a(x)))
 
 
-def test_a_group_of_few_params_adds_its_update_inside_the_graph() -> None:
-    """Four params: the engine adds the update into the params in the compiled graph; the
-    same updates as the per-tensor path (lockstep, derived bound), params keep their storage."""
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_a_group_of_few_params_adds_its_update_inside_the_graph(name: str) -> None:
+    """Four params: the engine adds the update into the params in the compiled graph, and a
+    transform that reads the params (``adamw``'s weight decay) reads them there too, without a
+    copy into a buffer first; the same updates as the per-tensor path (lockstep, derived
+    bound), params keep their storage."""
     torch.manual_seed(3)
     model = _Small()
     ref_model = copy.deepcopy(model)
 
     def make(ps: Any) -> TransformOptimizer:
+        if name == "adamw":
+            return TransformOptimizer(ps, fo.adamw, lr=1e-2, weight_decay=0.1)
         return TransformOptimizer(ps, fo.adam, lr=1e-2)
 
     opt = _engine_opt(model.parameters(), make)
@@ -351,6 +356,7 @@ def test_a_group_of_few_params_adds_its_update_inside_the_graph() -> None:
                 p.copy_(q)
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
     assert engine and engine.apply_inside
+    assert engine.params is None  # no buffer of the params' values: the graph reads them
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
