@@ -567,6 +567,10 @@ def write_table(path: Path, text: str) -> None:
         path.write_text(text + "\n")
 
 
+SECTIONS = "sections below the table"
+"""The store's entry for the texts of ``--cold``, ``--scaling`` and ``--distributed``."""
+
+
 def load_store(path: Path) -> dict[str, dict[str, Any]]:
     """The stored measurements, by workload name (empty if there are none)."""
     if not path.exists():
@@ -659,14 +663,25 @@ def main(argv: list[str] | None = None) -> int:
         for name in order
     )
     text += f"; torch {torch.__version__}, {torch.get_num_threads()} thread."
+    # the sections below the table: measured now, or as the store has them from an earlier run
+    sections: dict[str, str] = dict(store.get(SECTIONS, {}))
     if cold:
-        text += "\n\nFirst step in a fresh process with an empty compiler cache: " + ", ".join(
-            f"{name} {'failed' if t is None else f'{t:.1f} s'}" for name, t in cold.items()
+        sections["cold"] = (
+            f"First step in a fresh process with an empty compiler cache ({today}): "
+            + ", ".join(
+                f"{name} {'failed' if t is None else f'{t:.1f} s'}" for name, t in cold.items()
+            )
         )
     if args.scaling:
-        text += "\n\n" + scaling(5 if args.quick else args.rounds)
+        sections["scaling"] = scaling(5 if args.quick else args.rounds)
     if args.distributed:
-        text += "\n\n" + distributed_table(args.quick, args.clock)
+        sections["distributed"] = distributed_table(args.quick, args.clock)
+    for name in ("cold", "scaling", "distributed"):
+        if name in sections:
+            text += "\n\n" + sections[name]
+    if not args.quick:
+        store[SECTIONS] = sections
+        args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
     print(text)
     write_table(args.out, text)
     chart(results_by, args.chart)
