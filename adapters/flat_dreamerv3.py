@@ -43,10 +43,12 @@ of its own (``p.data`` becomes a view into it), so every run is updated in place
 kernel call and nothing is copied; see :class:`~functional_opt.adapters.DreamerV3Optimizer` for
 what that costs the user.
 
-The path is used only for plain dense tensors whose options are Python numbers; anything else
-(``DTensor``, sparse gradients, tensor options, memory shared across dtypes) goes through the
-generic :class:`~functional_opt.adapters.TransformOptimizer` step. If ``torch.compile`` is
-unavailable or fails, the same kernels run eagerly.
+The path is used for plain dense tensors whose options are Python numbers, and for FSDP2/HSDP
+``DTensor`` params over their local shards (every param's local squared norms are then summed
+over the ranks in one ``all_reduce`` before the kernels run: :meth:`FlatBucket.squares`);
+anything else (other ``DTensor`` placements, sparse gradients, tensor options, memory shared
+across dtypes) goes through the generic :class:`~functional_opt.adapters.TransformOptimizer`
+step. If ``torch.compile`` is unavailable or fails, the same kernels run eagerly.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from functional_opt import _kernels
+from functional_opt import _kernels, _lists
 from functional_opt._kernels import apply_kernel, update_kernel
 from functional_opt.transforms.clipping import agc_factors_from_norms
 from functional_opt.transforms.moments import moment_dtype
@@ -372,19 +374,7 @@ class FlatBucket:
         return [v.view_as(p) for v, p in zip(torch.split(head, sizes), params, strict=True)]
 
     def _entries(self, views: list[Tensor]) -> list[Tensor]:
-        if not self.sharded:
-            return views
-        from torch.distributed.tensor import DTensor
-
-        out: list[Tensor] = []
-        for view, key in zip(views, self.keys, strict=True):
-            mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
-            out.append(
-                DTensor.from_local(
-                    view, mesh, placements, shape=key.shape, stride=key.stride(), run_check=False
-                )
-            )
-        return out
+        return _lists.like_shards(views, self.keys) if self.sharded else views
 
     def _data_ptrs(self) -> list[int]:
         if self.sharded:

@@ -118,19 +118,7 @@ class PackedGroup:
         return [v if v is not None else p for v, p in zip(views, params, strict=True)]
 
     def _entries(self, views: list[Tensor]) -> list[Tensor]:
-        if not self.sharded:
-            return views
-        from torch.distributed.tensor import DTensor
-
-        out: list[Tensor] = []
-        for view, key in zip(views, self.keys, strict=True):
-            mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
-            out.append(
-                DTensor.from_local(
-                    view, mesh, placements, shape=key.shape, stride=key.stride(), run_check=False
-                )
-            )
-        return out
+        return _lists.like_shards(views, self.keys) if self.sharded else views
 
     def adopt_state(self, entries: list[dict[str, Tensor]]) -> None:
         """Make each ``entries[j][name]`` a view of this group's buffers (a ``DTensor`` wrapping

@@ -442,6 +442,22 @@ class Shards(NamedTuple):
     tensors' sums; ``None`` when nothing is sharded (local sums are whole)."""
 
 
+def like_shards(locals_: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """Each local tensor as a ``DTensor`` placed as its ``like`` (a ``DTensor`` of which it is
+    this rank's shard): no copy, no collective (the inverse of :func:`local_shards`)."""
+    from torch.distributed.tensor import DTensor
+
+    out: list[Tensor] = []
+    for local, key in zip(locals_, like, strict=True):
+        mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
+        out.append(
+            DTensor.from_local(
+                local, mesh, placements, shape=key.shape, stride=key.stride(), run_check=False
+            )
+        )
+    return out
+
+
 def local_shards(xs: Sequence[Tensor]) -> Shards | None:
     """``xs`` as their local shards, when that is all the math on them needs: every one a
     ``DTensor`` on one device mesh, placed by ``Shard``/``Replicate`` only (no ``Partial``: the
