@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ELEMENTWISE_OPS, MagnitudeRun, assert_bitwise, assert_close_rounding
+from test_engine import _Model
 
 import functional_opt as fo
 from functional_opt.adapters import TransformOptimizer
@@ -170,17 +171,6 @@ def test_a_staged_mini_step_compiles_the_accumulation_alone() -> None:
     skipping = fo.multi_steps(fo.adam(1e-2), 2, should_skip_update_fn=fo.skip_not_finite)
     assert not fusable(skipping)
     assert stages(skipping, skipping.init(params)) == ()
-
-
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(12, 32)
-        self.b = torch.nn.Linear(32, 32)
-        self.c = torch.nn.Linear(32, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 @pytest.mark.numerics
