@@ -160,15 +160,6 @@ def _local(x: Tensor) -> Tensor:
     return local
 
 
-def _placed_like(x: Tensor, ref: Tensor) -> Tensor:
-    """``x`` (a ``DTensor``) with ``ref``'s mesh and placements (redistributed if it has
-    others, e.g. state loaded from a checkpoint of another layout)."""
-    mesh, placements = ref.device_mesh, ref.placements  # type: ignore[attr-defined]
-    if x.device_mesh != mesh or x.placements != placements:  # type: ignore[attr-defined]
-        x = x.redistribute(mesh, placements)  # type: ignore[attr-defined]
-    return x
-
-
 def overlapping(params: Sequence[Tensor]) -> list[list[int]]:
     """Groups of indices of params whose memory may overlap (weights tied by storage, views of
     one another), each with at least two members. Conservative: each param counts as the whole
@@ -401,8 +392,8 @@ class FlatBucket:
                 current = entry.get(name)
                 if current is None or current is entries[i]:
                     continue
-                if self.sharded and hasattr(current, "device_mesh"):
-                    current = _local(_placed_like(current, key))
+                if self.sharded:
+                    current = _lists.local_like(current, key)
                 if current.data_ptr() != views[i].data_ptr():
                     views[i].copy_(current)
                 entry[name] = entries[i]

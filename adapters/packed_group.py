@@ -131,7 +131,7 @@ class PackedGroup:
             if all(map(operator.is_, current, wanted)):
                 continue
             moved = [
-                (v, self._local(c, k))
+                (v, _lists.local_like(c, k) if self.sharded else c)
                 for v, c, w, k in zip(views, current, wanted, self.keys, strict=True)
                 if c is not w
             ]
@@ -140,17 +140,6 @@ class PackedGroup:
                 torch._foreach_copy_([v for v, _ in moved], [c for _, c in moved])
             for e, w in zip(entries, wanted, strict=True):
                 e[name] = w
-
-    def _local(self, value: Tensor, key: Tensor) -> Tensor:
-        """``value`` (a state entry of ``key``'s) as this rank's shard of it, on ``key``'s
-        placements."""
-        if not self.sharded or not hasattr(value, "device_mesh"):
-            return value
-        mesh, placements = key.device_mesh, key.placements  # type: ignore[attr-defined]
-        if value.device_mesh != mesh or value.placements != placements:  # type: ignore[attr-defined]
-            value = value.redistribute(mesh, placements)  # type: ignore[attr-defined]
-        local: Tensor = value._local_tensor  # type: ignore[attr-defined]
-        return local
 
     def packed_state(self, name: str) -> Packed:
         return Packed(self.layout, buffers=self.state[name])

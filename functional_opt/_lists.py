@@ -390,31 +390,51 @@ def _real(x: Tensor) -> Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
+def _finite_flags(xs: Sequence[Tensor]) -> list[Tensor]:
+    """For each non-empty tensor, whether all its elements are finite: exactly when its smallest
+    and largest are (``torch.aminmax`` propagates NaN), one vectorized pass, eager or compiled
+    (an infinity norm, ``torch._foreach_norm(xs, inf)``, measured 12-25x slower on a CPU
+    thread)."""
+    return [torch.isfinite(torch.stack(torch.aminmax(_real(x)))).all() for x in xs if x.numel()]
+
+
 def all_finite(xs: Sequence[Tensor]) -> Tensor:
     """A 0-d bool tensor: every element of every tensor is finite. For ``DTensor``s (and local
     shards within :func:`sharded_reductions`), of every shard on every rank (the non-finite
     elements are counted and the counts summed across ranks with one collective per device
     mesh), so all ranks get the same flag."""
+    if _SHARDED is not None:  # (a collective even where this rank holds no element)
+        flags = _finite_flags(xs)
+        local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
+        return non_finite_count(local) == 0
     if not xs:
         return torch.ones((), dtype=torch.bool)
-    if _SHARDED is not None:  # (a collective even where every local shard is empty)
-        flags = [torch.isfinite(x).all() for x in xs]
-        return non_finite_count(torch.stack(flags)) == 0
     dtensor = dtensor_type()
     if dtensor is None or not any(isinstance(x, dtensor) for x in xs):
-        xs = [x for x in xs if x.numel()]  # an empty tensor is finite
-        if not xs:
-            return torch.ones((), dtype=torch.bool)
         if use_foreach(xs):
-            # min and max per tensor (NaN and inf propagate into them): one vectorized pass each,
-            # 12x faster than the inf-norm over a DreamerV3-sized model (36 ms -> 3 ms)
-            ends = [torch.stack(torch.aminmax(_real(x))) for x in xs]
-            return torch.isfinite(stack(ends)).all()
-        return torch.stack([torch.isfinite(x).all() for x in xs]).all()
+            flags = _finite_flags(xs)
+        else:  # (tensors wrapped by torch.func)
+            flags = [torch.isfinite(x).all() for x in xs if x.numel()]
+        if not flags:  # an empty tensor is finite
+            return torch.ones((), dtype=torch.bool)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
     flags = [torch.isfinite(x).all() for x in xs if not isinstance(x, dtensor)]
     counts = [torch.isfinite(x).logical_not().sum() for x in xs if isinstance(x, dtensor)]
     flags.append(torch.stack(full_values(counts)).sum() == 0)
     return torch.stack(flags).all()
+
+
+def local_like(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` as this rank's local tensor of it placed as the ``DTensor`` ``like`` (a
+    ``DTensor`` of other placements, e.g. optimizer state loaded from a checkpoint of another
+    layout, is redistributed first); a plain tensor as it is."""
+    if not hasattr(value, "device_mesh"):
+        return value
+    mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
+    if value.device_mesh != mesh or value.placements != placements:  # type: ignore[attr-defined]
+        value = value.redistribute(mesh, placements)  # type: ignore[attr-defined]
+    local: Tensor = value._local_tensor  # type: ignore[attr-defined]
+    return local
 
 
 def where(cond: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> list[Tensor]:

@@ -358,7 +358,7 @@ def declare_stages(update: Callable[..., Any], read: Callable[[Any], Stages]) ->
     :func:`current_stage` while being traced and compiles only the work of that stage
     (``MultiSteps``: the accumulation alone on a mini-step that emits nothing). Without a
     stage (plain ``torch.compile``, ``vmap``, an accelerator's counter) the transform must
-    compute every outcome and select with ``torch.where``, as it does today."""
+    compute every outcome and select with ``torch.where``."""
     setattr(update, _STAGES, read)
     return update
 

@@ -452,8 +452,8 @@ class MultiSteps:
         out = _lists.where(emit, out, negative_zeros_like(out))  # (before acc is written)
         kept = [torch.where(emit, torch.zeros_like(a), a) for a in acc]
         if reuse:
-            for a, k in zip(old, kept, strict=True):
-                a.copy_(k)
+            for a, new in zip(old, kept, strict=True):
+                a.copy_(new)
             kept = old
         return where.updates(out), MultiStepsState(
             next_mini,
