@@ -15,6 +15,7 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_stages,
     declare_step_size,
     donating,
     expect_state,
@@ -22,6 +23,7 @@ from functional_opt.base import (
     fusable,
     inner_step_size,
     safe_increment,
+    stages,
     without_donation,
     zero_count,
 )
@@ -161,4 +163,10 @@ def apply_if_finite(
     # skipped steps give zero updates: still proportional to the inner transform's step size
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
+    declare_stages(  # the inner transform's (a MultiSteps inside compiles its mini-steps apart)
+        update_fn,
+        lambda state: (
+            stages(inner, state.inner_state) if isinstance(state, ApplyIfFiniteState) else ()
+        ),
+    )
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
