@@ -144,13 +144,13 @@ class DreamerV3Optimizer(TransformOptimizer):
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         params: list[Tensor] = group["params"]
-        buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]]
+        buckets: dict[int, tuple[object, list[FlatBucket]]]
         buckets = self.__dict__.setdefault("_buckets", {})
         flat: list[FlatBucket] | None = None
         plans: list[tuple[list[int], list[int]] | None] | None = None
         if self.flat_step and eligible_options(group):
-            self._layout(index, group)  # validates the options before anything changes
-            flat = self._flat_buckets(index, params, buckets)
+            layout = self._layout(index, group)  # validates the options before any change
+            flat = self._flat_buckets(index, params, buckets, layout)
             if flat is not None:
                 plans = [bucket.plan_grads() for bucket in flat]
         if flat is None or plans is None or any(plan is None for plan in plans):
@@ -191,13 +191,14 @@ class DreamerV3Optimizer(TransformOptimizer):
         self,
         index: int,
         params: list[Tensor],
-        buckets: dict[int, tuple[tuple[int, ...], list[FlatBucket]]],
+        buckets: dict[int, tuple[object, list[FlatBucket]]],
+        layout: object,
     ) -> list[FlatBucket] | None:
-        """The group's buckets (one per device and dtype), rebuilt when its params changed;
-        ``None`` when the flat path cannot hold its params."""
-        ids = tuple(map(id, params))
+        """The group's buckets (one per device and dtype), rebuilt when its params changed
+        (the group's ``layout`` is rebuilt then) or a param's memory moved; ``None`` when the
+        flat path cannot hold its params."""
         cached = buckets.get(index)
-        if cached is not None and cached[0] == ids and all(b.intact() for b in cached[1]):
+        if cached is not None and cached[0] is layout and all(b.intact() for b in cached[1]):
             return cached[1]
         tensors, shards = params, None
         if not eligible_params(params):
@@ -231,7 +232,7 @@ class DreamerV3Optimizer(TransformOptimizer):
             )
             bucket.adopt_state(self.state, names)
             current.append(bucket)
-        buckets[index] = (ids, current)
+        buckets[index] = (layout, current)
         return current
 
     def __getstate__(self) -> dict[str, Any]:

@@ -19,9 +19,12 @@ four routes:
   ``g`` and ``p`` still in cache from the norms.
 * **Staged** (smaller params in runs of at least :data:`MERGE` elements, and params the direct
   route cannot take): a piece of a run (about :data:`PIECE` elements) is copied into a scratch
-  buffer (one ``torch.cat``), its norms are taken there, one kernel call updates its rows, and
-  one ``torch._foreach_copy_`` writes the new values back into the params' own storages while
-  the piece is still in cache.
+  buffer (one ``torch.cat``), its norms are taken there, one kernel call updates its moments'
+  rows and writes the params' updates over their copies, and one pass adds the updates into
+  the params' own storages while the piece is still in cache (torch's fused SGD kernel with
+  ``lr = -1``: the same bits as the copy back of ``p + u`` it replaces, in half its time over
+  many small params; 16-bit, non-contiguous and other-device params get ``p + u`` copied
+  back).
 * **Merged** (runs too small to be worth a kernel call, fewer than :data:`MERGE` elements in
   all): staged the same way, updated together by one eager pass with the clip factor spread
   per element.
@@ -61,7 +64,7 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists
-from functional_opt._kernels import apply_kernel, update_kernel
+from functional_opt._kernels import apply_kernel, update_kernel, update_kernel_donated
 from functional_opt.transforms.clipping import agc_factors_from_norms
 from functional_opt.transforms.moments import moment_dtype
 
@@ -91,6 +94,47 @@ def _apply(
     dtype, so that the clipped gradient of a 16-bit param is never rounded back to 16 bits
     (compiled, the widening is fused into the kernel: no copy)."""
     apply_kernel(g.to(nu.dtype), p, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
+
+
+def _delta(
+    g: Tensor,
+    p: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    inv_bc2: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+) -> None:
+    """:func:`_apply` with the update ``u = step_size mu'`` written into ``p`` (a staged copy of
+    the params, read before for their norms) instead of ``p + u``: the params then get ``u``
+    added in their own storage (:func:`_add`). ``p + u`` rounds as in :func:`_apply`, so the
+    values are the same; only for params in the moments' dtype."""
+    p.copy_(
+        update_kernel_donated(g.to(nu.dtype), nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
+    )
+
+
+def _add(targets: list[Tensor], updates: list[Tensor]) -> None:
+    """``t <- t + u`` for each pair (contiguous tensors of one float32/64 dtype on a CPU or CUDA
+    device): torch's fused SGD with ``lr = -1`` (``t - (-1) u``, the same bits as ``t + u``),
+    one pass in C++ over the list. Measured 1.5x faster than ``torch._foreach_copy_`` of the
+    new values over 2000 tensors of 1000 elements, where the per-tensor dispatch of the copy
+    dominates."""
+    torch._fused_sgd_(
+        targets,
+        updates,
+        [],
+        weight_decay=0.0,
+        momentum=0.0,
+        lr=-1.0,
+        dampening=0.0,
+        nesterov=False,
+        maximize=False,
+        is_first_step=False,
+    )
 
 
 def _factor_from_squares(g_square: Tensor, p_square: Tensor, agc: Tensor, pmin: Tensor) -> Tensor:
@@ -326,6 +370,15 @@ class FlatBucket:
             """The params (detached aliases), written by the scatter and the direct kernel."""
             self.flat_targets = [t.view(-1) if t.is_contiguous() else t for t in self.targets]
             self.gather_by_cat = all(t.is_contiguous() for t in self.targets[:n_staged])
+        self.add_back = (
+            not own_param_storage
+            and self.gather_by_cat
+            and first.dtype == mdtype
+            and device.type in ("cpu", "cuda")
+        )
+        """Whether the merged and staged params get their update added in their own storage
+        (:func:`_delta`, then :func:`_add`) instead of their new values copied back."""
+        self.staged_kernel = _delta if self.add_back else _apply
         self.direct_args = {
             i: (
                 self.g_views[i].view(1, -1),
@@ -652,7 +705,7 @@ class FlatBucket:
             spread = torch.repeat_interleave(factor, self.merged_sizes, output_size=n)
             # Small by construction: eager ops cost less than compiling one more kernel form.
             g, p, nu, mu = (t[:n].view(1, n) for t in (self.g, self.p, self.nu, self.mu))
-            _apply(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
+            self.staged_kernel(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
             self._scatter(0, self.merged_tensors, has)
         # Piece by piece (a piece is a run, or part of a long run): its params copied into the
         # scratch buffer, their norms, one kernel call, the new values copied back while the
@@ -661,7 +714,7 @@ class FlatBucket:
             if not gathered:
                 self._gather(run.first, run.first + run.rows)
             _kernels.call(
-                _apply,
+                self.staged_kernel,
                 *(self._rows(t, run) for t in (self.g, self.p, self.nu, self.mu)),
                 self._run_factors(run, agc, pmin, factors).view(-1, 1),
                 self.step_rows[run.first : run.first + run.rows],
@@ -690,15 +743,20 @@ class FlatBucket:
             torch._foreach_copy_(self.p_views[start:stop], self.targets[start:stop])
 
     def _scatter(self, start: int, stop: int, has: set[int] | None) -> None:
-        """Copy the new values of the params ``start:stop`` (staged) with a gradient from the
-        scratch buffer back into their own storages."""
+        """Write the params ``start:stop`` (staged) with a gradient back into their own
+        storages: their updates added (:attr:`add_back`), or their new values copied, from the
+        scratch buffer."""
         if self.own:
             return
         if has is None:
-            torch._foreach_copy_(self.targets[start:stop], self.p_views[start:stop])
+            targets, values = self.targets[start:stop], self.p_views[start:stop]
         else:
             back = [i for i in range(start, stop) if i in has]
-            torch._foreach_copy_([self.targets[i] for i in back], [self.p_views[i] for i in back])
+            targets, values = [self.targets[i] for i in back], [self.p_views[i] for i in back]
+        if self.add_back:
+            _add(targets, values)
+        else:
+            torch._foreach_copy_(targets, values)
 
     def _step_shared(
         self,

@@ -21,8 +21,8 @@ from conftest import assert_bitwise, assert_close_rounding, dreamerv3_leaf_ops, 
 
 import functional_opt as fo
 from functional_opt import _kernels
-from functional_opt.adapters import DreamerV3Optimizer
-from functional_opt.adapters.flat_dreamerv3 import DIRECT, MERGE
+from functional_opt.adapters import DreamerV3Optimizer, flat_dreamerv3
+from functional_opt.adapters.flat_dreamerv3 import DIRECT, MERGE, FlatBucket
 
 pytestmark = pytest.mark.numerics
 
@@ -55,11 +55,17 @@ def shapes() -> list[tuple[int, ...]]:
     ]
 
 
-def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
-    """Params on every route, plus a transposed param and one at a storage offset (both
-    staged: the direct route needs a contiguous param at the start of its storage)."""
+def make_params(
+    dtype: torch.dtype = torch.float32, seed: int = 0, contiguous: bool = False
+) -> list[torch.nn.Parameter]:
+    """Params on every route, plus (unless ``contiguous``) a transposed param and one at a
+    storage offset (both staged: the direct route needs a contiguous param at the start of its
+    storage; the transposed one makes the staged params' new values be copied back instead of
+    their updates added in place)."""
     g = torch.Generator().manual_seed(seed)
     out = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in shapes()]
+    if contiguous:
+        return out
     transposed = (torch.randn(300, 120, generator=g) * 0.5).to(dtype).t()
     base = (torch.randn(DIRECT + 10, generator=g) * 0.5).to(dtype)
     out += [torch.nn.Parameter(transposed), torch.nn.Parameter(base[10:])]
@@ -203,6 +209,36 @@ def test_each_step_matches_the_float64_oracle(
         before = snapshot(opt, params)
         opt.step()
         check_step(opt, params, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_updates_added_in_place_match_the_oracle_and_the_copy_back(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Contiguous float32/64 params: the staged and merged params get their updates added in
+    # their own storage (fused SGD with lr = -1). Each step matches the oracle, and the values
+    # are bit for bit those of copying ``p + u`` back, with params skipping steps.
+    build = FlatBucket.__init__
+
+    def copy_back(bucket: FlatBucket, *args: Any, **kwargs: Any) -> None:
+        build(bucket, *args, **kwargs)
+        bucket.add_back, bucket.staged_kernel = False, flat_dreamerv3._apply
+
+    runs = []
+    for add_back in (True, False):
+        if not add_back:
+            monkeypatch.setattr(FlatBucket, "__init__", copy_back)
+        params = make_params(dtype, contiguous=True)
+        opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=0, agc=0.05)
+        for t in range(1, 5):
+            exact_data(params, t, skip={1, 6, 8} if t == 2 else set())
+            before = snapshot(opt, params)
+            opt.step()
+            check_step(opt, params, before)
+        assert [b.add_back for b in opt._buckets[0][1]] == [add_back]
+        runs.append([p.detach().clone() for p in params])
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert_bitwise(a, b, f"param {i}")
 
 
 def test_16bit_gradients_are_clipped_in_float32() -> None:
