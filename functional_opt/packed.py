@@ -69,6 +69,14 @@ class Structure:
         new._batch(self._key[:-1], batch)
         return new
 
+    def with_shapes(self, shapes: tuple[torch.Size | None, ...]) -> Structure:
+        """This structure with leaf shapes ``shapes`` (``None`` for leaves made ``None``: the
+        structure of a masked subtree)."""
+        new = object.__new__(Structure)  # (made under compile too: no spec operations here)
+        new.spec, new.shapes, new.indices = self.spec, shapes, self.indices
+        new._batch((*self._key[:2], shapes), self.batch)
+        return new
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True

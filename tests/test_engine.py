@@ -26,6 +26,21 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
     "sgd-nesterov": lambda: fo.sgd(1e-2, 0.9, nesterov=True),
     "clip-adamw": lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.1)),
+    # weight decay on some leaves only (a mask tree, and a function of the packed params)
+    "adamw-masked": lambda: fo.adamw(
+        1e-2,
+        weight_decay=0.1,
+        mask={
+            "w": True,
+            "run": [True, False, False, True, True],
+            "s": False,
+            "e": True,
+            "d": False,
+        },
+    ),
+    "adamw-mask-fn": lambda: fo.adamw(
+        1e-2, weight_decay=0.1, mask=lambda p: fo.tree_map(lambda x: x.ndim > 1, p)
+    ),
     "guarded-injected": lambda: fo.apply_if_finite(
         fo.inject_hyperparams(fo.adam)(learning_rate=1e-2, b1=0.8), 2
     ),
@@ -157,8 +172,11 @@ def _engine_opt(params: Any, make: Callable[[Any], TransformOptimizer]) -> Trans
             ps, fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.1))
         ),
         lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2),
+        lambda ps: TransformOptimizer(
+            ps, fo.adamw, lr=1e-2, weight_decay=0.1, mask=lambda ps: [p.ndim > 1 for p in ps]
+        ),
     ],
-    ids=["ready-made-chain", "factory"],
+    ids=["ready-made-chain", "factory", "masked-weight-decay"],
 )
 def test_optimizer_steps_on_the_engine_like_the_per_tensor_path(
     make: Callable[[Any], TransformOptimizer],

@@ -338,14 +338,14 @@ MASK = {"w": True, "run": [True, False, True, False], "s": False, "d": True}
             {"a": fo.adam(1e-2), "s": fo.sgd(0.1)},
             {"w": "a", "run": ["a", "s", "a", "s"], "s": "s", "d": "a"},
         ),
-        lambda: fo.fused(fo.chain(fo.masked(fo.add_decayed_weights(0.1), MASK), fo.adam(1e-2))),
     ],
-    ids=["tree-mask", "callable-tree-mask", "partition", "fused-chain"],
+    ids=["tree-mask", "callable-tree-mask", "partition"],
 )
 def test_tree_masks_and_labels_apply_to_packed_trees(make: Any) -> None:
     """A mask (or labels) written for the params' tree applies to the same params packed (it
     raised a ``ValueError``: the ``Packed`` node was not in the mask): the updates and state
-    of the packed run equal the plain run's bit for bit (the same per-leaf ops)."""
+    of the packed run equal the plain run's bit for bit (a stateful inner runs leaf by leaf:
+    the same per-leaf ops)."""
     tx = make()
     gen = torch.Generator().manual_seed(6)
     params = _tree(gen)
@@ -357,6 +357,43 @@ def test_tree_masks_and_labels_apply_to_packed_trees(make: Any) -> None:
         u_packed, packed_state = tx.update(fo.pack(grads), packed_state, packed_params)
         assert_bitwise(u_packed.tree, u)
     assert_bitwise(fo.state_to_dict(packed_state), fo.state_to_dict(state))
+
+
+@pytest.mark.numerics
+def test_a_masked_stateless_inner_runs_over_the_buffers() -> None:
+    """``masked(add_decayed_weights)`` on a packed tree runs over the whole buffers and returns
+    buffers (so the ``adam`` after it runs over them too): the leaves outside the mask keep
+    their updates bit for bit, the others get the decay within rounding (vectorized adds may
+    round ``u + wd p`` once), and the chain is fusable."""
+    decay = fo.masked(fo.add_decayed_weights(0.1), MASK)
+    tx = fo.chain(decay, fo.adam(1e-2))
+    assert fusable(tx) and not fusable(fo.masked(fo.adam(1e-2), MASK))
+    gen = torch.Generator().manual_seed(6)
+    params = _tree(gen)
+    packed_params = fo.pack(params)
+    grads = _tree(gen, 0.1)
+    u, _ = decay.update(fo.pack(grads), decay.init(packed_params), packed_params)
+    assert isinstance(u, fo.Packed) and u.buffers is not None
+    plain, _ = decay.update(grads, decay.init(params), params)
+    assert_bitwise(
+        [u.tree["run"][1], u.tree["run"][3], u.tree["s"]],
+        [grads["run"][1], grads["run"][3], grads["s"]],
+    )
+    scale = fo.tree_map(lambda g, p: g.abs() + 0.1 * p.abs(), grads, params)
+    assert_close_rounding(u.tree, plain, dtype=torch.float32, ops=2, scale=scale)
+    state, packed_state = tx.init(params), tx.init(packed_params)
+    magnitudes = MagnitudeRun(tx, params)
+    for step in range(3):
+        grads = _tree(gen, 0.1)
+        u, state = tx.update(grads, state, params)
+        u_packed, packed_state = tx.update(fo.pack(grads), packed_state, packed_params)
+        bound, _ = magnitudes.update(grads, params)
+        ops = ELEMENTWISE_OPS * (step + 1)
+        assert_close_rounding(u_packed.tree, u, dtype=torch.float32, ops=ops, scale=bound)
+    nothing = fo.masked(fo.add_decayed_weights(0.1), lambda p: fo.tree_map(lambda _: False, p))
+    grads = fo.pack(_tree(gen, 0.1))
+    same, _ = nothing.update(grads, nothing.init(packed_params), packed_params)
+    assert same is grads  # no leaf masked: nothing computed
 
 
 # ------------------------------------------------------------------------------ not fusable

@@ -6,18 +6,24 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import optree
+import torch
+from torch import Tensor
 
 from functional_opt import tree
 from functional_opt.base import (
+    DONATE,
+    STATE_ONLY,
     GradientTransformation,
     Params,
     Updates,
     accepting,
     check_extra,
+    declare_fusable,
     expect_state,
     extra_keywords,
+    fusable,
 )
-from functional_opt.packed import Packed
+from functional_opt.packed import Layout, Packed
 from functional_opt.tree import PyTree
 
 __all__ = ["MaskedState", "PartitionState", "masked", "partition"]
@@ -33,10 +39,10 @@ def _expand(labels: PyTree | Callable[[Params], PyTree], reference: PyTree, what
     """Labels (or bools) for each flat leaf of ``reference``; ``labels`` may be a prefix tree.
 
     A packed ``reference`` is matched by its tree (a mask is written for the params' tree, not
-    for the ``Packed`` node around it); a callable gets the packed tree itself, and may answer
-    with a tree for either."""
+    for the ``Packed`` node around it), and a callable gets that tree (for a packed tree held
+    in buffers, its views of them); its answer may be a tree for either."""
     if callable(labels):
-        labels = labels(reference)
+        labels = labels(reference.tree if isinstance(reference, Packed) else reference)
     if isinstance(labels, Packed):
         labels = labels.tree
     if isinstance(reference, Packed):
@@ -83,6 +89,84 @@ def _select(values: list[Any], keep: list[bool]) -> list[Any]:
     return [v if k else None for v, k in zip(values, keep, strict=True)]
 
 
+def _holds_tensors(state: Any) -> bool:
+    return any(isinstance(x, Tensor) for x in tree.leaves(state))
+
+
+def _stateless(inner: GradientTransformation) -> bool:
+    """Whether ``inner`` keeps no tensors in its state (its state for one param has none)."""
+    try:
+        return not _holds_tensors(inner.init([torch.zeros(1)]))
+    except Exception:  # an inner that cannot take a plain list: not known to be stateless
+        return False
+
+
+def _planned(layout: Layout, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, cached on ``layout`` by ``key``; while compiling, made afresh (a graph that
+    read the cache would be guarded on it, and traced again once the plan was cached)."""
+    if torch.compiler.is_compiling():
+        return make()
+    plan = layout._plans.get(key)
+    if plan is None:
+        plan = layout._plans[key] = make()
+    return plan
+
+
+def _sub_layout(layout: Layout, keep: list[bool]) -> Layout:
+    """``layout`` with the leaves not kept made ``None`` leaves (gaps of the same buffers): the
+    layout of the masked tree."""
+
+    def make() -> Layout:
+        shapes = tuple(s if k else None for s, k in zip(layout.shapes, keep, strict=True))
+        slots = tuple(s if k else None for s, k in zip(layout.slots, keep, strict=True))
+        return Layout(layout.structure.with_shapes(shapes), slots, layout.sizes).prepare()
+
+    return _planned(layout, ("masked", tuple(keep)), make)  # type: ignore[no-any-return]
+
+
+def _kept_ranges(layout: Layout, keep: list[bool]) -> list[list[tuple[int, int]]]:
+    """Per buffer of ``layout``, the element ranges of its kept leaves, adjacent kept leaves
+    merged across the alignment gaps between them."""
+
+    def make() -> list[list[tuple[int, int]]]:
+        ranges = []
+        for b in range(len(layout.sizes)):
+            mine: list[tuple[int, int]] = []
+            merging = False
+            for i in layout.members(b):
+                start = layout.slots[i][1]  # type: ignore[index]
+                end = start + layout.shapes[i].numel()  # type: ignore[union-attr]
+                if keep[i] and merging:
+                    mine[-1] = (mine[-1][0], end)
+                elif keep[i]:
+                    mine.append((start, end))
+                merging = keep[i]
+            ranges.append(mine)
+        return ranges
+
+    return _planned(layout, ("kept ranges", tuple(keep)), make)  # type: ignore[no-any-return]
+
+
+def _merged(old: Packed, new: Packed, ranges: list[list[tuple[int, int]]]) -> Packed:
+    """``new`` on ``ranges`` (the masked leaves, where its values mean something) and ``old``
+    elsewhere, per buffer: one ``torch.where`` on element indices (compiled: one vectorized
+    pass, fused with the ops that made ``new``)."""
+    out = []
+    for before, after, kept in zip(old.buffers or (), new.buffers or (), ranges, strict=True):
+        n = before.shape[-1]
+        if not kept:
+            out.append(before)
+        elif kept == [(0, n)]:
+            out.append(after)
+        else:
+            index = torch.arange(n, device=before.device)
+            inside = (index >= kept[0][0]) & (index < kept[0][1])
+            for start, stop in kept[1:]:
+                inside = inside | ((index >= start) & (index < stop))
+            out.append(torch.where(inside, after, before))
+    return Packed(old.layout, buffers=out)  # type: ignore[arg-type]
+
+
 def masked(
     inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTree]
 ) -> GradientTransformation:
@@ -118,11 +202,53 @@ def _masked(
         values, spec = tree.flatten(params)
         return MaskedState(inner.init(tree.unflatten(spec, _select(values, bools(params)))))
 
+    def on_buffers(
+        updates: Packed, state: MaskedState, params: Params | None, extra: dict[str, Any]
+    ) -> tuple[Updates, MaskedState] | None:
+        """The packed route: ``inner`` over the updates' buffers with the leaves not masked as
+        gaps (so its reductions leave them out), then the masked leaves' new values and the
+        other leaves' old ones; ``None`` where it does not apply (a stateful or unfusable
+        inner, params not packed with the updates' layout, a new dtype)."""
+        layout = updates.layout
+        assert layout is not None
+        if _holds_tensors(state.inner_state):
+            return None
+        keep = bools(params if params is not None else updates)
+        if not any(keep):  # a stateless inner on no leaf: nothing to compute
+            return updates, state
+        if params is not None and not (
+            tree._is_buffered(params) and tree._same_layout(params.layout, layout)  # type: ignore[union-attr]
+        ):
+            return None
+        sub = _sub_layout(layout, keep)
+        mine = dict(extra)
+        if extra.get(DONATE) is True and not all(keep):
+            mine[DONATE] = STATE_ONLY  # the other leaves' updates are read after it
+        new, inner_state = inner.update(
+            Packed(sub, buffers=updates.buffers),  # type: ignore[arg-type]
+            state.inner_state,
+            None if params is None else Packed(sub, buffers=params.buffers),  # type: ignore[union-attr]
+            **mine,
+        )
+        if not (
+            tree._is_buffered(new)
+            and tree._same_layout(new.layout, sub)
+            and all(
+                a.dtype == b.dtype for a, b in zip(new.buffers, updates.buffers or (), strict=True)
+            )
+        ):
+            return None
+        return _merged(updates, new, _kept_ranges(layout, keep)), MaskedState(inner_state)
+
     def update_fn(
         updates: Updates, state: MaskedState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MaskedState]:
         check_extra(extra, where, accepted)
         expect_state(state, MaskedState, where)
+        if tree._is_buffered(updates) and fast():
+            done = on_buffers(updates, state, params, extra)
+            if done is not None:
+                return done
         u, spec = tree.flatten(updates)
         keep = bools(params if params is not None else updates)
         inner_params = None
@@ -138,6 +264,17 @@ def _masked(
         out = [n if k else old for n, old, k in zip(new_flat, u, keep, strict=True)]
         return tree.unflatten(spec, out), MaskedState(inner_state)
 
+    known: list[bool] = []
+
+    def fast() -> bool:
+        """Whether the packed route is taken: for a fusable inner that keeps no tensors
+        (``add_decayed_weights``, ``scale``, clipping), once known (a stateful inner keeps its
+        state over the masked leaves only, which the packed route does not hold)."""
+        if not known:
+            known.append(fusable(inner) and _stateless(inner))
+        return known[0]
+
+    declare_fusable(update_fn, fast)
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 
