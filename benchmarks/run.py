@@ -238,6 +238,9 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "chain(clip_by_global_norm, adamw)": lambda: fo.chain(
         fo.clip_by_global_norm(1.0), fo.adamw(1e-4, weight_decay=1e-2)
     ),
+    "adamw, no decay on vectors": lambda: fo.adamw(
+        1e-4, weight_decay=1e-2, mask=lambda p: fo.tree_map(lambda x: x.ndim > 1, p)
+    ),
 }
 """The chains of the engine's targets (issue 16)."""
 
