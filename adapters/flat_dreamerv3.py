@@ -97,25 +97,13 @@ def _apply(
     apply_kernel(g.to(nu.dtype), p, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
 
 
-def _delta(
-    g: Tensor,
-    p: Tensor,
-    nu: Tensor,
-    mu: Tensor,
-    factor: Tensor,
-    step_size: Tensor,
-    inv_bc2: Tensor,
-    beta1: Tensor,
-    beta2: Tensor,
-    eps: Tensor,
-) -> None:
-    """:func:`_apply` with the update ``u = step_size mu'`` written into ``p`` (a staged copy of
+def _delta(g: Tensor, p: Tensor, nu: Tensor, mu: Tensor, *math: Tensor) -> None:
+    """:func:`_apply` (the same arguments after ``mu``: ``factor, step_size, inv_bc2, beta1,
+    beta2, eps``) with the update ``u = step_size mu'`` written into ``p`` (a staged copy of
     the params, read before for their norms) instead of ``p + u``: the params then get ``u``
     added in their own storage (:func:`_add`). ``p + u`` rounds as in :func:`_apply`, so the
     values are the same; only for params in the moments' dtype."""
-    p.copy_(
-        update_kernel_donated(g.to(nu.dtype), nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
-    )
+    p.copy_(update_kernel_donated(g.to(nu.dtype), nu, mu, *math))
 
 
 def _add(targets: list[Tensor], updates: list[Tensor]) -> None:
@@ -382,8 +370,8 @@ class FlatBucket:
             and device.type in ("cpu", "cuda")
         )
         """Whether the merged and staged params get their update added in their own storage
-        (:func:`_delta`, then :func:`_add`) instead of their new values copied back."""
-        self.staged_kernel = _delta if self.add_back else _apply
+        (:func:`_delta`, then :func:`_add`) instead of their new values copied back; not while
+        ``torch.compile`` traces the step (the fused SGD kernel has no fake implementation)."""
         self.direct_args = {
             i: (
                 self.g_views[i].view(1, -1),
@@ -696,6 +684,8 @@ class FlatBucket:
         ]
         saved_p = [(i, self.p_views[i].clone()) for i in absent] if self.own else []
         self.step_rows.fill_(-lr / bc1)
+        add = self.add_back and not torch.compiler.is_compiling()
+        kernel = _delta if add else _apply
         values = (1 / bc2, beta1, beta2, eps)
         scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
         if self.merged_numel:
@@ -710,7 +700,7 @@ class FlatBucket:
             if self.merged_compiled:
                 for run in self.merged_runs:
                     _kernels.call(
-                        self.staged_kernel,
+                        kernel,
                         *(self._rows(t, run) for t in (self.g, self.p, self.nu, self.mu)),
                         factor[run.first : run.first + run.rows].view(-1, 1),
                         self.step_rows[run.first : run.first + run.rows],
@@ -719,8 +709,8 @@ class FlatBucket:
             else:  # no kernel of its own: eager ops cost less than compiling one
                 spread = torch.repeat_interleave(factor, self.merged_sizes, output_size=n)
                 g, p, nu, mu = (t[:n].view(1, n) for t in (self.g, self.p, self.nu, self.mu))
-                self.staged_kernel(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
-            self._scatter(0, self.merged_tensors, has)
+                kernel(g, p, nu, mu, spread.view(1, n), self.step_rows[:1], *scalars)
+            self._scatter(0, self.merged_tensors, has, add)
         # Piece by piece (a piece is a run, or part of a long run): its params copied into the
         # scratch buffer, their norms, one kernel call, the new values copied back while the
         # piece is still in cache.
@@ -728,13 +718,13 @@ class FlatBucket:
             if not gathered:
                 self._gather(run.first, run.first + run.rows)
             _kernels.call(
-                self.staged_kernel,
+                kernel,
                 *(self._rows(t, run) for t in (self.g, self.p, self.nu, self.mu)),
                 self._run_factors(run, agc, pmin, factors).view(-1, 1),
                 self.step_rows[run.first : run.first + run.rows],
                 *scalars,
             )
-            self._scatter(run.first, run.first + run.rows, has)
+            self._scatter(run.first, run.first + run.rows, has, add)
         if self.shared_numel:
             self._step_shared(has, agc, pmin, scalars, factors)
         direct = self.direct if has is None else [i for i in self.direct if i in has]
@@ -756,10 +746,10 @@ class FlatBucket:
         else:
             torch._foreach_copy_(self.p_views[start:stop], self.targets[start:stop])
 
-    def _scatter(self, start: int, stop: int, has: set[int] | None) -> None:
+    def _scatter(self, start: int, stop: int, has: set[int] | None, add: bool) -> None:
         """Write the params ``start:stop`` (staged) with a gradient back into their own
-        storages: their updates added (:attr:`add_back`), or their new values copied, from the
-        scratch buffer."""
+        storages: their updates added (``add``, what :func:`_delta` left in the scratch
+        buffer), or their new values copied (what :func:`_apply` left there)."""
         if self.own:
             return
         if has is None:
@@ -767,7 +757,7 @@ class FlatBucket:
         else:
             back = [i for i in range(start, stop) if i in has]
             targets, values = [self.targets[i] for i in back], [self.p_views[i] for i in back]
-        if self.add_back:
+        if add:
             _add(targets, values)
         else:
             torch._foreach_copy_(targets, values)
