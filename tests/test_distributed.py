@@ -8,7 +8,8 @@ done here. Every job runs under a deadline (``JOB_TIMEOUT``), so a hung rank fai
 
 * HSDP job (4 ranks, a 2 x 2 mesh): the two checkpointed configs, then a DCP checkpoint.
 * FSDP2 job (2 ranks): the three training configs (``DreamerV3Optimizer``; ``TransformOptimizer``
-  with ``clip_by_global_norm(0.1)`` + ``adam``; the stepper with accumulation 2 and clipping),
+  with ``clip_by_global_norm(0.1)`` + ``adamw`` decaying the matrices only; the stepper with
+  accumulation 2 and clipping),
   the functional clipping transforms on ``DTensor`` inputs, an ``Inf`` gradient in one rank's
   shard (``apply_if_finite`` and the stepper's guard), ``torch.distributed.checkpoint`` round
   trips (2 ranks -> 2 ranks, 1 process -> 2 ranks, the HSDP job's 4 ranks -> 2 ranks; 2 ranks ->
@@ -183,7 +184,11 @@ def make_optimizer(config: str, params: Iterator[nn.Parameter]) -> torch.optim.O
     if config == "dreamerv3":
         return DreamerV3Optimizer(params, lr=1e-2, agc=AGC, warmup_steps=0)
     if config in ("transform", "engine"):
-        opt = TransformOptimizer(params, fo.chain(fo.clip_by_global_norm(MAX_NORM), fo.adam(1e-2)))
+        # AdamW's usual recipe, weight decay on matrices only (a masked stateless transform:
+        # on the engine it runs over the packed shards' buffers)
+        matrices = lambda ps: fo.tree_map(lambda p: p.ndim > 1, ps)  # noqa: E731
+        adamw = fo.adamw(1e-2, weight_decay=0.1, mask=matrices)
+        opt = TransformOptimizer(params, fo.chain(fo.clip_by_global_norm(MAX_NORM), adamw))
         if config == "engine":  # the small model steps on the engine (compiled, packed buffers)
             opt.fused_min_numel = 0
         return opt
@@ -771,10 +776,10 @@ def _fsdp_tiny(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
 
 
 def _fsdp_engine(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]:
-    """TransformOptimizer's engine (clip_by_global_norm + adam compiled over packed buffers) on
-    FSDP2's local shards: the MLP (its last layer sharded unevenly) for STEPS steps with a DCP
-    checkpoint after HALF, loaded into a new model and optimizer that takes the other HALF
-    steps; then the tiny model (rank 1 holds no element of two params) for 3 steps. Every step
+    """TransformOptimizer's engine (clip_by_global_norm + masked adamw compiled over packed
+    buffers) on FSDP2's local shards: the MLP (its last layer sharded unevenly) for STEPS steps
+    with a DCP checkpoint after HALF, loaded into a new model and optimizer that takes the other
+    HALF steps; then the tiny model (rank 1 holds no element of two params) for 3 steps. Every step
     is recorded for lockstep, with the collectives the compiled step issued (the shard group's
     sequence number counts them: a dispatch mode would make torch.compile run no compiled code)
     and whether the engine took it."""
