@@ -175,8 +175,11 @@ def _engine_opt(params: Any, make: Callable[[Any], TransformOptimizer]) -> Trans
         lambda ps: TransformOptimizer(
             ps, fo.adamw, lr=1e-2, weight_decay=0.1, mask=lambda ps: [p.ndim > 1 for p in ps]
         ),
+        lambda ps: TransformOptimizer(
+            ps, fo.adamw(1e-2, weight_decay=0.1, mask=lambda ps: [p.ndim > 1 for p in ps])
+        ),
     ],
-    ids=["ready-made-chain", "factory", "masked-weight-decay"],
+    ids=["ready-made-chain", "factory", "masked-weight-decay", "ready-made-list-mask"],
 )
 def test_optimizer_steps_on_the_engine_like_the_per_tensor_path(
     make: Callable[[Any], TransformOptimizer],

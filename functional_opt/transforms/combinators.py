@@ -40,13 +40,17 @@ def _expand(labels: PyTree | Callable[[Params], PyTree], reference: PyTree, what
 
     A packed ``reference`` is matched by its tree (a mask is written for the params' tree, not
     for the ``Packed`` node around it), and a callable gets that tree (for a packed tree held
-    in buffers, its views of them); its answer may be a tree for either."""
+    in buffers, its views of them); its answer may be a tree for either. A list or tuple
+    matches a sequence of the same length of another list or tuple type (a list of flags for
+    ``TransformOptimizer``'s params, which the transform sees as a tuple subclass), entry by
+    entry."""
     if callable(labels):
         labels = labels(reference.tree if isinstance(reference, Packed) else reference)
     if isinstance(labels, Packed):
         labels = labels.tree
     if isinstance(reference, Packed):
         reference = reference.tree  # (a Packed flattens to its tree: the same leaves, in order)
+    labels = _as_sequence_of(labels, reference)
     try:
         full = optree.tree_broadcast_prefix(
             labels, reference, none_is_leaf=True, namespace=tree.NAMESPACE
@@ -58,6 +62,21 @@ def _expand(labels: PyTree | Callable[[Params], PyTree], reference: PyTree, what
             f"{what} does not match the structure of the params (first difference at {where})"
         ) from err
     return tree.leaves(full)
+
+
+def _as_sequence_of(labels: Any, reference: Any) -> Any:
+    """``labels`` rebuilt as ``reference``'s sequence type when both are lists or tuples of one
+    length but of different types (named tuples, whose fields matter, excepted)."""
+    if (
+        isinstance(labels, (list, tuple))
+        and isinstance(reference, (list, tuple))
+        and type(labels) is not type(reference)
+        and len(labels) == len(reference)
+        and not hasattr(labels, "_fields")
+        and not hasattr(reference, "_fields")
+    ):
+        return list(labels) if isinstance(reference, list) else type(reference)(labels)
+    return labels
 
 
 def _prefix_difference(
