@@ -144,7 +144,7 @@ class DreamerV3Optimizer(TransformOptimizer):
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         params: list[Tensor] = group["params"]
-        buckets: dict[int, tuple[object, list[FlatBucket]]]
+        buckets: dict[int, tuple[_Layout, list[FlatBucket]]]
         buckets = self.__dict__.setdefault("_buckets", {})
         flat: list[FlatBucket] | None = None
         plans: list[tuple[list[int], list[int]] | None] | None = None
@@ -191,8 +191,8 @@ class DreamerV3Optimizer(TransformOptimizer):
         self,
         index: int,
         params: list[Tensor],
-        buckets: dict[int, tuple[object, list[FlatBucket]]],
-        layout: object,
+        buckets: dict[int, tuple[_Layout, list[FlatBucket]]],
+        layout: _Layout,
     ) -> list[FlatBucket] | None:
         """The group's buckets (one per device and dtype), rebuilt when its params changed
         (the group's ``layout`` is rebuilt then) or a param's memory moved; ``None`` when the

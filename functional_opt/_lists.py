@@ -356,7 +356,8 @@ def local_norms(xs: Sequence[Tensor]) -> list[Tensor]:
                 # the foreach form as torch's kernel, which first copies them to float32
                 # (measured: half of a compiled chain(clip_by_global_norm, adamw) step)
                 return [torch.linalg.vector_norm(x, dtype=torch.float32) for x in xs]
-            # accumulated and returned in float32, without float32 copies of the inputs
+            # accumulated and returned in float32 (torch's CPU kernel makes a float32 copy of
+            # one tensor at a time)
             return list(torch._foreach_norm(list(xs), 2, dtype=torch.float32))
         xs = [x.float() if x.dtype in _HALF else x for x in xs] if half else xs
         return list(torch._foreach_norm(list(xs)))

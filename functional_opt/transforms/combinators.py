@@ -168,15 +168,24 @@ def _kept_ranges(layout: Layout, keep: list[bool]) -> list[list[tuple[int, int]]
 
 def _merged(old: Packed, new: Packed, ranges: list[list[tuple[int, int]]]) -> Packed:
     """``new`` on ``ranges`` (the masked leaves, where its values mean something) and ``old``
-    elsewhere, per buffer: one ``torch.where`` on element indices (compiled: one vectorized
-    pass, fused with the ops that made ``new``)."""
+    elsewhere, per buffer. Compiled: one ``torch.where`` on element indices (one vectorized
+    pass, fused with the ops that made ``new``; a ``torch.cat`` of the slices compiled to a
+    scalar loop, 8x slower on W1). Eager: one ``torch.cat`` of the slices (a copy, where the
+    indices would be a buffer of their own)."""
     out = []
+    compiling = torch.compiler.is_compiling()
     for before, after, kept in zip(old.buffers or (), new.buffers or (), ranges, strict=True):
         n = before.shape[-1]
         if not kept:
             out.append(before)
         elif kept == [(0, n)]:
             out.append(after)
+        elif not compiling:
+            pieces, end = [], 0
+            for start, stop in kept:
+                pieces += [before[end:start], after[start:stop]]
+                end = stop
+            out.append(torch.cat([*pieces, before[end:]]))
         else:
             index = torch.arange(n, device=before.device)
             inside = (index >= kept[0][0]) & (index < kept[0][1])
