@@ -1,12 +1,14 @@
 """Packed trees: a pytree whose tensors are views into a few contiguous buffers.
 
-``pack(tree)`` copies the tensors of ``tree`` into one flat buffer per (device, dtype), largest
-leaves first, and returns a :class:`Packed`: a pytree node whose only child is ``tree`` rebuilt
-from views of those buffers. Transforms see the same per-tensor leaves as for ``tree`` (per-tensor
-norms, masks and state paths are unchanged) and their per-parameter states are packed trees of
-the same structure, while the fast paths (``dreamerv3``'s update, ``apply_updates``) run over the
-buffers when every tree they get is packed with one layout: a tree of 2000 small tensors then
-costs about what one tensor of the same size costs, as the adapter's flat buffers do.
+``pack(tree)`` copies the tensors of ``tree`` into flat buffers, one per (device, dtype, leaf
+size): each buffer holds the leaves of one size as the rows of a matrix (past :data:`MAX_RUNS`
+sizes of a dtype, one buffer holds them all, largest first). It returns a :class:`Packed`: a
+pytree node whose only child is ``tree`` rebuilt from views of those buffers. Transforms see
+the same per-tensor leaves as for ``tree`` (per-tensor norms, masks and state paths are
+unchanged) and their per-parameter states are packed trees of the same structure, while the
+fast paths (the engine, ``apply_updates``) run over the buffers when every tree they get is
+packed with one layout: a tree of 2000 small tensors then costs about what one tensor of the
+same size costs, as the adapter's flat buffers do.
 
 For ``torch.func`` (whose pytrees are ``torch.utils._pytree``'s) a ``Packed`` is a node whose
 children are its buffers, so ``torch.func.grad(loss)(packed_params)`` differentiates with respect
@@ -30,7 +32,7 @@ from torch import Tensor
 from functional_opt import tree
 from functional_opt.tree import PyTree
 
-__all__ = ["ALIGN", "Layout", "Packed", "Structure", "pack"]
+__all__ = ["ALIGN", "MAX_RUNS", "Layout", "Packed", "Structure", "pack"]
 
 
 class Structure:
@@ -297,7 +299,7 @@ class Layout:
 
 
 class Packed:
-    """A pytree stored as views of one flat buffer per (device, dtype).
+    """A pytree stored as views of a few flat buffers (see :func:`pack`).
 
     Made by :func:`pack`, and by transforms (their outputs for packed inputs are ``Packed``).
     ``tree`` is the tree of tensors. A packed tree made from buffers has a ``layout`` and its
@@ -384,6 +386,12 @@ def _describe(b: Tensor) -> str:
     return f"{b.shape[-1]} x {str(b.dtype).removeprefix('torch.')} on {b.device}"
 
 
+MAX_RUNS = 64
+"""The most leaf sizes of one device and dtype that :func:`pack` puts in buffers of their own
+(one per size); past it they share one buffer. A buffer per size lets compiled code take each
+leaf as a row of a ``[count, size]`` matrix, so a per-leaf factor is computed in the kernel that
+uses it; but a compiled step over many buffers takes long to compile."""
+
 ALIGN = 16
 """A leaf of at least this many elements starts at a multiple of it in its buffer (at least 16
 bytes: compiled kernels copy a misaligned input before using it), unless it continues a run of
@@ -409,15 +417,19 @@ def _path(values: PyTree, i: int) -> str:
 
 
 def pack(values: PyTree, batch_dims: int = 0) -> Packed:
-    """``values`` copied into one flat buffer per (device, dtype), as a :class:`Packed`.
+    """``values`` copied into flat buffers, as a :class:`Packed`.
 
-    Leaves are tensors or ``None``. A buffer holds its leaves by size, largest first (leaves of
-    one size, wherever they are in the tree, form one run: the rows of a matrix), each new size
-    aligned (:data:`ALIGN`). With ``batch_dims=k`` every leaf's first ``k`` dimensions are a
-    batch shape they all share (e.g. stacked ensemble members): the buffers have shape
-    ``[*batch, n]`` and ``torch.vmap`` over them maps over the members. The copy is a
-    ``torch.cat``, so autograd tracks it like any op (pack detached tensors to get trainable
-    buffers)."""
+    Leaves are tensors or ``None``. One buffer per (device, dtype, leaf size), largest sizes
+    first: the leaves of one size, wherever they are in the tree, form one *run*, the rows of a
+    matrix, in tree order. A compiled step then takes a per-leaf factor (``clip_by_agc``) as a
+    per-row one, inside the kernel that uses it. A dtype with more than :data:`MAX_RUNS` leaf
+    sizes (where compiling one kernel per buffer would take long) gets one buffer for all its
+    leaves instead, largest first, each new size aligned (:data:`ALIGN`).
+
+    With ``batch_dims=k`` every leaf's first ``k`` dimensions are a batch shape they all share
+    (e.g. stacked ensemble members): the buffers have shape ``[*batch, n]`` and ``torch.vmap``
+    over them maps over the members. The copy is a ``torch.cat``, so autograd tracks it like any
+    op (pack detached tensors to get trainable buffers)."""
     return _pack(values, batch_dims, None)
 
 
@@ -466,9 +478,11 @@ def _pack(values: PyTree, batch_dims: int, known: Structure | None) -> Packed:
     slots: list[tuple[int, int] | None] = [None] * len(leaves)
     sizes: list[int] = []
     buffers: list[Tensor] = []
-    for b, members in enumerate(groups):
-        numel = {i: shapes[i].numel() for i in members}  # type: ignore[union-attr]
+    numel = {i: s.numel() for i, s in enumerate(shapes) if s is not None}
+    for members in groups:
         members.sort(key=lambda i: -numel[i])  # stable: leaf order within a size
+    groups = [run for members in groups for run in _by_size(members, numel)]
+    for b, members in enumerate(groups):
         size, last, starts = 0, -1, []
         for i in members:
             n = numel[i]
@@ -483,6 +497,19 @@ def _pack(values: PyTree, batch_dims: int, known: Structure | None) -> Packed:
         known = Structure(spec, shapes)
     layout = Layout(known.batched(batch), tuple(slots), tuple(sizes))
     return Packed(layout, buffers=buffers)
+
+
+def _by_size(members: list[int], numel: dict[int, int]) -> list[list[int]]:
+    """The leaves of one device and dtype (largest first) as the leaves of each buffer: one
+    buffer per leaf size (a run: the rows of a matrix), or all in one past :data:`MAX_RUNS`
+    sizes."""
+    runs: list[list[int]] = []
+    for i in members:
+        if runs and numel[runs[-1][0]] == numel[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs if len(runs) <= MAX_RUNS else [members]
 
 
 def _optree_flatten(p: Packed) -> tuple[tuple[PyTree], Structure, tuple[str]]:

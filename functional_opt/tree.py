@@ -609,15 +609,25 @@ class BufferLeaves:
         leaf's dtype; the gaps become 0."""
         vec = factors if isinstance(factors, Tensor) else _lists.stack(list(factors))
         by_run = self.layout.leaves_by_run()
+        compiling = torch.compiler.is_compiling()
+        vec = _lists.once(vec)  # (each loop over a run reads its factors, not their math)
         out = []
         for b, x in enumerate(xs):
             pieces, end = [], 0
             for (start, count, size), leaves in zip(self.layout.runs(b), by_run[b], strict=True):
                 if start > end:
                     pieces.append(x.new_zeros(start - end))
-                rows = x[start : start + count * size].view(count, size)
                 f = vec[leaves]
-                pieces.append((rows * f[:, None]).to(x.dtype).reshape(-1))
+                if compiling and start == 0 and count * size == x.shape[-1]:
+                    # the whole buffer is this run (the engine's layout by runs): the factor
+                    # expanded to one per element, which inductor computes inside the kernel
+                    # that uses the result (a [count, size] product reshaped to 1-D would be
+                    # written out first)
+                    scale = f[:, None].expand(count, size).reshape(-1)
+                    pieces.append((x * scale).to(x.dtype))
+                else:
+                    rows = x[start : start + count * size].view(count, size)
+                    pieces.append((rows * f[:, None]).to(x.dtype).reshape(-1))
                 end = start + count * size
             if end < x.shape[-1]:
                 pieces.append(x.new_zeros(x.shape[-1] - end))

@@ -18,6 +18,7 @@ from conftest import (
 )
 
 import functional_opt as fo
+import functional_opt.packed as packed_module
 from functional_opt._dreamerv3_fused import KERNEL_MIN, RUN_MIN
 from functional_opt.packed import ALIGN, Layout, Packed
 
@@ -89,9 +90,8 @@ def _plain(tree: object) -> object:
 
 
 # ------------------------------------------------------------------------------ pack itself
-def test_pack_round_trips_into_one_buffer_per_dtype() -> None:
-    gen = torch.Generator().manual_seed(0)
-    tree = [
+def _mixed_tree(gen: torch.Generator) -> list[Any]:
+    return [
         _leaf(gen, torch.float32, 3, 4),
         None,
         _leaf(gen, torch.bfloat16, 40),
@@ -100,10 +100,9 @@ def test_pack_round_trips_into_one_buffer_per_dtype() -> None:
         [_leaf(gen, torch.float32, 17) for _ in range(3)],
         _leaf(gen, torch.float64, 33),
     ]
-    kept = fo.tree.map_params(lambda x: x.clone(), tree)
-    packed = fo.pack(tree)
-    assert packed.buffers is not None and len(packed.buffers) == 3
-    assert [b.dtype for b in packed.buffers] == [torch.float32, torch.bfloat16, torch.float64]
+
+
+def _round_trips(tree: list[Any], kept: list[Any], packed: Packed) -> None:
     views, spec = fo.tree.flatten(packed.tree)
     assert spec == fo.tree.flatten(tree)[1]
     for got, want, slot in zip(views, fo.tree.leaves(kept), packed.layout.slots, strict=True):
@@ -114,12 +113,44 @@ def test_pack_round_trips_into_one_buffer_per_dtype() -> None:
         buffer = packed.buffers[slot[0]]
         if want.numel():  # (an empty view has no address)
             assert got.data_ptr() == buffer.data_ptr() + slot[1] * buffer.element_size()
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(tree), _tensors(kept), strict=True))
+
+
+def test_pack_round_trips_into_one_buffer_per_dtype_and_size() -> None:
+    tree = _mixed_tree(torch.Generator().manual_seed(0))
+    kept = fo.tree.map_params(lambda x: x.clone(), tree)
+    packed = fo.pack(tree)
+    assert packed.buffers is not None
+    # by dtype in order of first use, then by size, largest first: each a dense run of rows
+    f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+    assert [(b.dtype, b.numel()) for b in packed.buffers] == [
+        (f32, 3 * 17),
+        (f32, 12),
+        (f32, 1),
+        (f32, 0),
+        (bf16, 40),
+        (f64, 33),
+    ]
+    assert packed.layout.members(0) == [5, 6, 7]  # flat indices, by offset
+    assert [packed.layout.slots[i] for i in (5, 6, 7, 0)] == [(0, 0), (0, 17), (0, 34), (1, 0)]
+    _round_trips(tree, kept, packed)
+
+
+def test_pack_past_max_runs_puts_a_dtype_in_one_aligned_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(packed_module, "MAX_RUNS", 3)  # float32 has 4 sizes here
+    tree = _mixed_tree(torch.Generator().manual_seed(0))
+    kept = fo.tree.map_params(lambda x: x.clone(), tree)
+    packed = fo.pack(tree)
+    assert packed.buffers is not None and len(packed.buffers) == 3
+    assert [b.dtype for b in packed.buffers] == [torch.float32, torch.bfloat16, torch.float64]
     # large leaves start aligned; a run of one size stays dense (rows of a matrix)
     # by size, largest first: the run of 17 (aligned, then dense rows), then the small leaves
     starts = [s[1] for s in packed.layout.slots if s is not None and s[0] == 0]
     assert starts == [51, 63, 64, 0, 17, 34] and ALIGN == 16
     assert packed.layout.members(0) == [5, 6, 7, 0, 3, 4]  # flat indices, by offset
-    assert all(torch.equal(a, b) for a, b in zip(_tensors(tree), _tensors(kept), strict=True))
+    _round_trips(tree, kept, packed)
 
 
 def test_pack_rejects_what_is_not_a_tensor() -> None:
@@ -139,10 +170,10 @@ def test_pack_rejects_what_is_not_a_tensor() -> None:
 
 
 def test_layouts_compare_by_value_and_structure_ignores_dtypes() -> None:
-    a = fo.pack({"x": torch.ones(3, 2), "y": [torch.ones(5)] * 5})
-    b = fo.pack({"x": torch.zeros(3, 2, dtype=torch.float64), "y": [torch.zeros(5)] * 5})
-    c = fo.pack({"x": torch.ones(2, 3), "y": [torch.ones(5)] * 5})
-    d = fo.pack({"x": torch.zeros(3, 2, dtype=torch.float64), "y": [torch.zeros(5)] * 5})
+    a = fo.pack({"x": torch.ones(3, 2), "y": [torch.ones(6)] * 5})  # one size: one buffer
+    b = fo.pack({"x": torch.zeros(3, 2, dtype=torch.float64), "y": [torch.zeros(6)] * 5})
+    c = fo.pack({"x": torch.ones(2, 3), "y": [torch.ones(6)] * 5})
+    d = fo.pack({"x": torch.zeros(3, 2, dtype=torch.float64), "y": [torch.zeros(6)] * 5})
     assert isinstance(a.layout, Layout) and isinstance(b.layout, Layout)
     assert b.layout is not d.layout and b.layout == d.layout and hash(b.layout) == hash(d.layout)
     assert a.layout != b.layout  # two buffers in b
@@ -151,15 +182,15 @@ def test_layouts_compare_by_value_and_structure_ignores_dtypes() -> None:
 
 
 def test_repack_copies_loose_trees_into_buffers() -> None:
-    packed = fo.pack({"x": torch.arange(20.0), "y": torch.ones(3)})
-    loose = Packed(packed.structure, tree={"x": torch.arange(20.0) * 2, "y": torch.zeros(3)})
+    packed = fo.pack({"x": torch.arange(20.0), "y": torch.ones(20)})  # one run: one buffer
+    loose = Packed(packed.structure, tree={"x": torch.arange(20.0) * 2, "y": torch.zeros(20)})
     assert loose.buffers is None and loose.layout is None and packed.repack() is packed
     again = loose.repack()
     assert again.layout == packed.layout and again.buffers is not None
     assert torch.equal(again.tree["x"], torch.arange(20.0) * 2)
-    from_layout = Packed(packed.layout, tree={"x": torch.ones(20), "y": torch.ones(3)})
+    from_layout = Packed(packed.layout, tree={"x": torch.ones(20), "y": torch.ones(20)})
     assert from_layout.layout is None and from_layout.structure == packed.structure  # loose
-    mixed = Packed(packed.structure, tree={"x": torch.ones(20), "y": torch.ones(3).double()})
+    mixed = Packed(packed.structure, tree={"x": torch.ones(20), "y": torch.ones(20).double()})
     assert mixed.repack().layout != packed.layout  # two buffers now
     assert mixed.repack().structure == packed.structure
 
@@ -492,7 +523,7 @@ def test_pack_with_batch_dims_keeps_the_members_first() -> None:
     values = _stacked(gen, 3)
     packed = fo.pack(values, batch_dims=1)
     assert packed.structure.batch == torch.Size([3]) and packed.buffers is not None
-    assert [tuple(b.shape) for b in packed.buffers] == [(3, 24 + 6 + 1), (3, 3)]
+    assert [tuple(b.shape) for b in packed.buffers] == [(3, 24), (3, 6), (3, 1), (3, 3)]
     # shapes without the batch, in flattening order: b[0], b[1] (None), b[2], h, w
     assert packed.structure.shapes == ((6,), None, (), (3,), (6, 4))
     for a, b in zip(_tensors(packed), _tensors(values), strict=True):
