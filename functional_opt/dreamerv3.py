@@ -20,9 +20,11 @@ from functional_opt.base import (
     Updates,
     chain,
     constant_step_size,
+    declare_fusable,
     declare_step_size,
     donating,
     donating_updates,
+    fusable,
 )
 from functional_opt.packed import Packed
 from functional_opt.schedules import Schedule
@@ -130,7 +132,9 @@ def dreamerv3(
 
     In eager mode on multi-tensor-ready lists the update runs as one fused function (the chain's
     ops, fewer passes and allocations, same result); elsewhere (``torch.compile``, ``vmap``, a
-    ``weight_decay_mask``, an update autograd records) it runs the chain itself.
+    ``weight_decay_mask``, an update autograd records) it runs the chain itself. Like the
+    chain, it is fusable: :func:`functional_opt.fused`, :func:`functional_opt.fused_step` and
+    ``TransformOptimizer`` compile the chain over packed buffers.
     """
     _check_schedule(lr, warmup, schedule, anneal)
     check_agc(agc, pmin, "agc")
@@ -185,6 +189,8 @@ def dreamerv3(
         return out, new_state
 
     declare_step_size(update_fn, declared)
+    # under torch.compile the fast paths step aside and the chain runs: the engine compiles it
+    declare_fusable(update_fn, fusable(reference))
     return GradientTransformation(reference.init, update_fn)
 
 

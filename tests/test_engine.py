@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ELEMENTWISE_OPS, MagnitudeRun, assert_bitwise, assert_close_rounding
+from conftest import (
+    DREAMERV3_ELEMENTWISE_OPS,
+    ELEMENTWISE_OPS,
+    MagnitudeRun,
+    assert_bitwise,
+    assert_close_rounding,
+)
 
 import functional_opt as fo
 from functional_opt.adapters import TransformOptimizer
@@ -44,6 +50,8 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "guarded-injected": lambda: fo.apply_if_finite(
         fo.inject_hyperparams(fo.adam)(learning_rate=1e-2, b1=0.8), 2
     ),
+    # per-leaf clipping: each leaf a row of its size's buffer, the factor broadcast per row
+    "dreamerv3": lambda: fo.dreamerv3(1e-2, warmup=0, weight_decay=0.1),
 }
 
 
@@ -63,6 +71,8 @@ def _ops(name: str, params: Any, step: int) -> float:
     # a global norm sums every square (numel roundings) and its factor takes a sqrt, a
     # division and the product: numel + 3 per step
     extra = numel + 3 if name == "clip-adamw" else 0
+    if name == "dreamerv3":  # its clip's two norms over a leaf (at most numel squares), a sqrt
+        return (DREAMERV3_ELEMENTWISE_OPS + numel + 2) * (step + 1)
     return (ELEMENTWISE_OPS + extra) * (step + 1)
 
 
@@ -178,8 +188,9 @@ def _engine_opt(params: Any, make: Callable[[Any], TransformOptimizer]) -> Trans
         lambda ps: TransformOptimizer(
             ps, fo.adamw(1e-2, weight_decay=0.1, mask=lambda ps: [p.ndim > 1 for p in ps])
         ),
+        lambda ps: TransformOptimizer(ps, fo.dreamerv3, lr=1e-2, warmup=0),
     ],
-    ids=["ready-made-chain", "factory", "masked-weight-decay", "ready-made-list-mask"],
+    ids=["ready-made-chain", "factory", "masked-weight-decay", "ready-made-list-mask", "dreamerv3"],
 )
 def test_optimizer_steps_on_the_engine_like_the_per_tensor_path(
     make: Callable[[Any], TransformOptimizer],
@@ -303,7 +314,7 @@ def test_a_transform_written_with_tree_map_runs_in_every_tree_the_library_uses()
         assert_bitwise(list(packed_u.tree), [-0.5 * torch.sign(g) for g in grads])
 
 
-@pytest.mark.parametrize("name", ["adam", "clip-adamw"])
+@pytest.mark.parametrize("name", ["adam", "clip-adamw", "dreamerv3"])
 def test_fused_step_adds_the_update_in_the_same_graph(name: str) -> None:
     """``fo.fused_step(tx)(params, grads, state)``: the params' buffers take ``p + u`` in
     place, equal to ``tx.update`` then ``apply_updates`` within rounding (each step from the
