@@ -241,6 +241,8 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "adamw, no decay on vectors": lambda: fo.adamw(
         1e-4, weight_decay=1e-2, mask=lambda p: fo.tree_map(lambda x: x.ndim > 1, p)
     ),
+    # the chain's definition compiled by the engine, next to the hand-fused DreamerV3Optimizer
+    "dreamerv3": lambda: fo.dreamerv3(1e-4, warmup=0),
 }
 """The chains of the engine's targets (issue 16)."""
 
@@ -348,7 +350,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     },
     **{
         f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)
-        for c in ("adam", "chain(clip_by_global_norm, adamw)")
+        for c in ("adam", "chain(clip_by_global_norm, adamw)", "dreamerv3")
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
         ours_pure_chain, chain="chain(clip_by_global_norm, adamw)", engine=False
