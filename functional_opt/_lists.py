@@ -104,8 +104,8 @@ def full_values(xs: Sequence[Tensor]) -> list[Tensor]:
 
 
 def once(s: Any) -> Any:
-    """``s`` unchanged, except that under ``torch.compile`` a 0-d tensor or a vector (or each one
-    of a list: per-leaf factors) is made a buffer computed once per call.
+    """``s`` unchanged, except that under ``torch.compile`` a 0-d tensor (or each one of a list)
+    is made a buffer computed once per call.
 
     Inductor otherwise inlines scalar math into every elementwise loop that uses it: a bias
     correction's ``1 - b**t`` became one ``pow`` per 16 elements, which made the compiled
@@ -115,9 +115,19 @@ def once(s: Any) -> Any:
         return s
     if isinstance(s, (list, tuple)):
         return [once(x) for x in s]
-    if isinstance(s, Tensor) and s.dim() <= 1:
-        return torch.stack([s, s]).amax(0)
+    if isinstance(s, Tensor) and s.dim() == 0:
+        return _computed_once(s)
     return s
+
+
+def once_per_leaf(factors: Tensor) -> Tensor:
+    """:func:`once` for a vector of per-leaf values (a clip factor per leaf), which every loop
+    over a run of leaves would otherwise recompute from its math."""
+    return _computed_once(factors) if torch.compiler.is_compiling() else factors
+
+
+def _computed_once(x: Tensor) -> Tensor:
+    return torch.stack([x, x]).amax(0)  # exactly x
 
 
 def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:

@@ -610,7 +610,7 @@ class BufferLeaves:
         vec = factors if isinstance(factors, Tensor) else _lists.stack(list(factors))
         by_run = self.layout.leaves_by_run()
         compiling = torch.compiler.is_compiling()
-        vec = _lists.once(vec)  # (each loop over a run reads its factors, not their math)
+        vec = _lists.once_per_leaf(vec)
         out = []
         for b, x in enumerate(xs):
             pieces, end = [], 0
