@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from functional_opt import _lists, _validate, tree
-from functional_opt._dreamerv3_fused import Hyper, Number, fused_update, writable
-from functional_opt._dreamerv3_packed import packed_update
+from functional_opt._dreamerv3_fused import Hyper, Number, check_state, fused_update, writable
 from functional_opt.base import (
     GradientTransformation,
     OptState,
@@ -26,6 +25,7 @@ from functional_opt.base import (
     donating_updates,
     fusable,
 )
+from functional_opt.engine import Runner
 from functional_opt.packed import Packed
 from functional_opt.schedules import Schedule
 from functional_opt.transforms.clipping import check_agc, clip_by_agc
@@ -169,22 +169,23 @@ def dreamerv3(
     if weight_decay_mask is not None or not _fused:
         return reference
     hyper = Hyper(agc, pmin, beta1, beta2, eps, weight_decay, momentum, nesterov, sched)
+    numbers = (lr, agc, pmin, beta1, beta2, eps, warmup, weight_decay, anneal)
+    # (tensor hyperparameters come from inject_hyperparams, which builds a new dreamerv3 on
+    # every update: a runner of its own would compile every step)
+    engine = None if any(isinstance(x, Tensor) for x in numbers) else Runner(reference)
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
+        if isinstance(updates, Packed):
+            check_state(hyper, state)
+            return _packed_update(engine, reference, updates, state, params, extra)
         donate, donate_updates = donating(extra), donating_updates(extra)
-        fast = packed_update(hyper, updates, state, params, donate, donate_updates)
-        if fast is None:
-            fast = fused_update(hyper, updates, state, params, donate, donate_updates)
+        fast = fused_update(hyper, updates, state, params, donate, donate_updates)
         if fast is not None:
             return fast
         out, new_state = reference.update(updates, state, params, **extra)
-        if (
-            donating_updates(extra)
-            and torch.compiler.is_compiling()
-            and not isinstance(updates, Packed)  # (the engine writes packed ones itself)
-        ):
+        if donating_updates(extra) and torch.compiler.is_compiling():
             out = _into_donated(updates, out)
         return out, new_state
 
@@ -192,6 +193,31 @@ def dreamerv3(
     # under torch.compile the fast paths step aside and the chain runs: the engine compiles it
     declare_fusable(update_fn, fusable(reference))
     return GradientTransformation(reference.init, update_fn)
+
+
+def _packed_update(
+    engine: Runner | None,
+    reference: GradientTransformation,
+    updates: Packed,
+    state: OptState,
+    params: Params | None,
+    extra: dict[str, Any],
+) -> tuple[Updates, OptState]:
+    """Packed trees: the chain compiled over their buffers by the engine (the first call with
+    a layout compiles), a loose tree of updates copied into buffers first. Under compile, with
+    tensor hyperparameters, batch dimensions or buffers autograd records, the chain runs as it
+    is (over the buffers, leaf-by-leaf math written once)."""
+    if engine is None or torch.compiler.is_compiling() or updates.structure.batch:
+        return reference.update(updates, state, params, **extra)
+    if updates.buffers is None:
+        updates = updates.repack()  # (a copy: the caller's leaves are never written)
+    assert updates.buffers is not None
+    given = list(updates.buffers)
+    if isinstance(params, Packed) and params.buffers is not None:
+        given += params.buffers
+    if torch.is_grad_enabled() and _lists.tracked(given):
+        return reference.update(updates, state, params, **extra)
+    return engine(updates, state, params, extra)
 
 
 def _into_donated(updates: Updates, out: Updates) -> Updates:

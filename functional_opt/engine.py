@@ -11,8 +11,9 @@ is a norm and one elementwise kernel per buffer, with the moments updated in the
 The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
 injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
 changing them never recompiles. Trees that are not packed, packed trees with batch
-dimensions, calls made while already compiling and calls under a ``TorchDispatchMode`` of the
-user's (where ``torch.compile`` runs no compiled code) run the transform's own update unchanged.
+dimensions, calls made while already compiling, inside a ``torch.func`` transform, and under a
+``TorchDispatchMode`` of the user's (where ``torch.compile`` runs no compiled code) run the
+transform's own update unchanged.
 Within :func:`functional_opt._lists.sharded_reductions` (``TransformOptimizer``'s engine on
 FSDP2 shards) the graphs are compiled apart, their reductions summed over the group's ranks.
 If compiling fails (before any of the compiled code ran) the update runs eagerly, with a
@@ -131,6 +132,8 @@ class Runner:
             # under a user's TorchDispatchMode (an op or collective counter) torch.compile runs
             # no compiled code (fullgraph: it raises): the same transform runs eagerly
             or is_in_torch_dispatch_mode(include_infra_modes=False)
+            # inside a torch.func transform (vmap, grad) dynamo cannot trace the update
+            or torch._C._functorch.peek_interpreter_stack() is not None
             or not self.compilable
             or not _buffered(updates)
             or not (flag is True or flag is False or flag == STATE_ONLY)

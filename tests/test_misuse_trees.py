@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from conftest import assert_bitwise, assert_close_rounding
+from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_leaf_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Leaf, structures
@@ -533,10 +533,11 @@ def test_adam_on_complex_params_matches_a_complex128_reference(dtype: torch.dtyp
 
 
 @pytest.mark.numerics
+@pytest.mark.numerics
 def test_dreamerv3_on_complex_params_squares_moduli_on_every_path() -> None:
-    """The fused path (complex leaves keep to the multi-tensor ops: the kernels are real), the
-    packed path (declined for complex buffers) and the chain agree bit for bit, and their
-    second moments are real: ``|g|^2``, not ``g * g``."""
+    """The fused path (complex leaves keep to the multi-tensor ops: the kernels are real) and
+    the chain agree bit for bit, the packed path (the chain compiled by the engine) within
+    rounding, and their second moments are real: ``|g|^2``, not ``g * g``."""
     gen = torch.Generator().manual_seed(2)
 
     def make() -> dict[str, Any]:
@@ -552,16 +553,22 @@ def test_dreamerv3_on_complex_params_squares_moduli_on_every_path() -> None:
         fo.dreamerv3(1e-2, warmup=0, weight_decay_mask={"big": True, "run": [True] * 4}),
     )
     s_fused, s_chain, s_packed = fused.init(params), chain.init(params), fused.init(fo.pack(params))
-    for _ in range(3):
+    magnitudes = MagnitudeRun(chain, params)
+    for step in range(3):
         grads = make()
+        scale, _ = magnitudes.update(grads, params)
         u_fused, s_fused = fused.update(fotree.map_params(torch.clone, grads), s_fused, params)
         u_chain, s_chain = chain.update(fotree.map_params(torch.clone, grads), s_chain, params)
         u_packed, s_packed = fused.update(fo.pack(grads), s_packed, fo.pack(params))
         assert_bitwise(u_fused, u_chain)
-        assert_bitwise(_tensors(u_packed), _tensors(u_fused))
-        assert_bitwise(_tensors(s_packed[1].nu), _tensors(s_fused[1].nu))
         assert_bitwise(s_fused[1].nu, s_chain[1].nu)
-        assert all(bool((x.imag == 0).all()) for x in _tensors(s_fused[1].nu))
+        ops = dreamerv3_leaf_ops(torch.float32, steps=step + 1)
+        assert_close_rounding(
+            _tensors(u_packed.tree), _tensors(u_fused), dtype=torch.float32, ops=ops,
+            scale=_tensors(scale),
+        )  # fmt: skip
+        for nu in (s_fused[1].nu, s_packed[1].nu.tree):
+            assert all(bool((x.imag == 0).all()) for x in _tensors(nu))
 
 
 @pytest.mark.numerics
