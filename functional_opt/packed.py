@@ -21,6 +21,7 @@ Buffers may have leading *batch* dimensions (``pack(stacked, batch_dims=1)``, or
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,13 +36,22 @@ from functional_opt.tree import PyTree
 __all__ = ["ALIGN", "MAX_RUNS", "Layout", "Packed", "Structure", "pack"]
 
 
+def digest(key: Any) -> int:
+    """A 128-bit digest of ``key`` (plain Python values), nonzero, for comparing structures and
+    layouts inside compiled code by two ints; 0 (compare the values) when made while compiling,
+    where it cannot be computed."""
+    if torch.compiler.is_compiling():
+        return 0
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=16).digest()) | 1
+
+
 class Structure:
     """The tree structure of a packed tree: its pytree spec, each leaf's shape without the batch
     dimensions (``None`` for ``None`` leaves) and the batch shape (``torch.Size([])`` unless the
     buffers are batched). What optree compares: two packed trees of one structure match leaf
     for leaf whatever their dtypes and buffers."""
 
-    __slots__ = ("_hash", "_key", "batch", "indices", "shapes", "spec")
+    __slots__ = ("_digest", "_hash", "_key", "batch", "indices", "shapes", "spec")
 
     def __init__(
         self,
@@ -61,6 +71,7 @@ class Structure:
         self.batch = torch.Size(batch)
         self._key = (*key, tuple(self.batch))
         self._hash = hash(self._key)
+        self._digest = digest(self._key)
 
     def batched(self, batch: Sequence[int]) -> Structure:
         """This structure with batch shape ``batch``."""
@@ -84,6 +95,9 @@ class Structure:
             return True
         if not isinstance(other, Structure):
             return NotImplemented
+        if torch.compiler.is_compiling() and self._digest and other._digest:
+            # (what a graph reads becomes its guards: two ints, not every leaf's shape)
+            return self._hash == other._hash and self._digest == other._digest
         return self._hash == other._hash and self._key == other._key
 
     def __hash__(self) -> int:
@@ -120,7 +134,7 @@ class Layout:
     all of that is equal (dtypes are not part of it: float32 params and their float32 moments
     share a layout)."""
 
-    __slots__ = ("_batched", "_hash", "_plans", "sizes", "slots", "structure")
+    __slots__ = ("_batched", "_digest", "_hash", "_plans", "sizes", "slots", "structure")
 
     def __init__(
         self,
@@ -132,6 +146,7 @@ class Layout:
         self.slots = slots
         self.sizes = sizes
         self._hash = hash((structure, slots, sizes))
+        self._digest = digest((structure._digest, slots, sizes)) if structure._digest else 0
         self._plans: dict[Any, Any] = {}  # derived routing, cached by the fast paths
         self._batched: dict[torch.Size, Layout] = {}
 
