@@ -127,6 +127,37 @@ def test_changing_an_injected_hyperparameter_does_not_recompile() -> None:
     assert dict(counters["stats"]).get("unique_graphs") == before.get("unique_graphs")
 
 
+@pytest.mark.numerics
+def test_a_freshly_packed_tree_of_an_equal_layout_reuses_the_graph() -> None:
+    """Compiled code compares layouts and structures by their digests (two ints per tree, which
+    dynamo then checks on every call, instead of every leaf's slot and shape): packing the
+    gradients afresh every step reuses the graph; a tree of another layout still takes (and
+    compiles) its own."""
+    counters = torch._dynamo.utils.counters
+    tx = fo.fused(fo.adam(1e-2))
+    values = {"w": [torch.randn(7) for _ in range(300)], "b": [torch.randn(3) for _ in range(9)]}
+    params = fo.pack(values)
+    state = tx.init(params)
+    a, b = fo.pack(values).layout, fo.pack(values).layout
+    assert a is not b and a == b and a._digest == b._digest != 0
+    assert a.structure._digest == b.structure._digest != 0
+    other = fo.pack({**values, "b": [torch.randn(3) for _ in range(8)]})
+    assert other.layout._digest != a._digest and other.structure._digest != a.structure._digest
+    ref = fo.adam(1e-2)  # eager, over the same buffers
+    ref_state = ref.init(params)
+    before: dict[str, int] = {}
+    for step in range(4):
+        grads = fo.pack({k: [torch.randn_like(x) for x in v] for k, v in values.items()})
+        want, ref_state = ref.update(grads, ref_state, params)
+        u, state = tx.update(grads, state, params, donate="state")
+        assert_close_rounding(
+            u.tree, want.tree, dtype=torch.float32, ops=ELEMENTWISE_OPS * (step + 1)
+        )
+        if step == 0:
+            before = dict(counters["stats"])
+    assert dict(counters["stats"]).get("unique_graphs") == before.get("unique_graphs")
+
+
 def test_user_transform_declared_elementwise_is_fused() -> None:
     """The transform of docs/concepts.md, written with the tree helpers: fusable, and the same
     numbers fused over packed buffers as leaf by leaf."""
