@@ -204,19 +204,14 @@ def _packed_update(
     extra: dict[str, Any],
 ) -> tuple[Updates, OptState]:
     """Packed trees: the chain compiled over their buffers by the engine (the first call with
-    a layout compiles), a loose tree of updates copied into buffers first. Under compile, with
-    tensor hyperparameters, batch dimensions or buffers autograd records, the chain runs as it
-    is (over the buffers, leaf-by-leaf math written once)."""
-    if engine is None or torch.compiler.is_compiling() or updates.structure.batch:
+    a layout compiles), a loose tree of updates copied into buffers first. With tensor
+    hyperparameters the chain runs as it is (over the buffers), as it does wherever the engine
+    does not compile (see :mod:`functional_opt.engine`: under compile, batch dimensions,
+    buffers autograd records...)."""
+    if engine is None:
         return reference.update(updates, state, params, **extra)
-    if updates.buffers is None:
+    if updates.buffers is None and not torch.compiler.is_compiling():
         updates = updates.repack()  # (a copy: the caller's leaves are never written)
-    assert updates.buffers is not None
-    given = list(updates.buffers)
-    if isinstance(params, Packed) and params.buffers is not None:
-        given += params.buffers
-    if torch.is_grad_enabled() and _lists.tracked(given):
-        return reference.update(updates, state, params, **extra)
     return engine(updates, state, params, extra)
 
 

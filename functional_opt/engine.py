@@ -11,9 +11,9 @@ is a norm and one elementwise kernel per buffer, with the moments updated in the
 The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
 injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
 changing them never recompiles. Trees that are not packed, packed trees with batch
-dimensions, complex buffers, calls made while already compiling, inside a ``torch.func``
-transform, and under a ``TorchDispatchMode`` of the user's (where ``torch.compile`` runs no
-compiled code) run the transform's own update unchanged.
+dimensions, complex buffers, buffers autograd records, calls made while already compiling,
+inside a ``torch.func`` transform, and under a ``TorchDispatchMode`` of the user's (where
+``torch.compile`` runs no compiled code) run the transform's own update unchanged.
 Within :func:`functional_opt._lists.sharded_reductions` (``TransformOptimizer``'s engine on
 FSDP2 shards) the graphs are compiled apart, their reductions summed over the group's ranks.
 If compiling fails (before any of the compiled code ran) the update runs eagerly, with a
@@ -54,6 +54,10 @@ __all__ = ["Runner", "fused", "fused_step"]
 
 def _buffered(x: Any) -> bool:
     return isinstance(x, Packed) and x.buffers is not None and not x.structure.batch
+
+
+def _buffers(tree: Any) -> list[Any]:
+    return list(tree.buffers) if _buffered(tree) else []
 
 
 def _donated_step(
@@ -139,6 +143,8 @@ class Runner:
             # (inductor has no code generation for complex numbers: it would run them eagerly)
             or any(b.is_complex() for b in updates.buffers)
             or not (flag is True or flag is False or flag == STATE_ONLY)
+            # an update autograd records: the transform's own ops, which it can differentiate
+            or (torch.is_grad_enabled() and _lists.tracked(updates.buffers, _buffers(params)))
         ):
             return self._eager(updates, state, params, extra, targets, whole, copy)
         updates.layout.prepare()  # (plans made inside a graph would make it recompile)

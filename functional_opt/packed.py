@@ -91,13 +91,14 @@ class Structure:
         return new
 
     def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
         if not isinstance(other, Structure):
             return NotImplemented
         if torch.compiler.is_compiling() and self._digest and other._digest:
-            # (what a graph reads becomes its guards: two ints, not every leaf's shape)
+            # (what a graph reads becomes its guards: two ints, not every leaf's shape, and
+            # no identity test, which would guard on the objects)
             return self._hash == other._hash and self._digest == other._digest
+        if self is other:
+            return True
         return self._hash == other._hash and self._key == other._key
 
     def __hash__(self) -> int:

@@ -623,7 +623,7 @@ class BufferLeaves:
                     pieces.append(x.new_zeros(start - end))
                 f = vec[leaves]
                 if compiling and start == 0 and count * size == x.shape[-1]:
-                    # the whole buffer is this run (the engine's layout by runs): the factor
+                    # the whole buffer is this run (``pack``'s buffer per leaf size): the factor
                     # expanded to one per element, which inductor computes inside the kernel
                     # that uses the result (a [count, size] product reshaped to 1-D would be
                     # written out first)

@@ -177,6 +177,24 @@ def test_user_transform_declared_elementwise_is_fused() -> None:
         assert_close_rounding(u_fast.tree, u, dtype=torch.float32, ops=9)
 
 
+def test_an_update_autograd_records_runs_the_transform_itself() -> None:
+    """Gradients that require grad, in grad mode: the transform's own ops (which autograd
+    differentiates), equal to the unfused update, with no compile and no fallback warning."""
+    tx, fast = fo.clip_by_global_norm(0.5), fo.fused(fo.clip_by_global_norm(0.5))
+    values = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = fo.pack(values)
+    assert grads.buffers is not None
+    for b in grads.buffers:
+        b.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        u, _ = fast.update(grads, fast.init(grads), None)
+    want, _ = tx.update(grads, tx.init(grads), None)
+    assert isinstance(u, fo.Packed) and u.buffers is not None
+    assert all(b.grad_fn is not None for b in u.buffers)
+    assert_bitwise(list(u.buffers), list(want.buffers))  # the same ops, eager
+
+
 def test_not_packed_or_not_fusable_runs_the_transform_itself() -> None:
     tx = fo.fused(fo.adaptive_grad_clip(0.1))
     params = {"w": torch.randn(4, 3)}
