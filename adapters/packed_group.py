@@ -18,6 +18,16 @@ gradient present with its param's dtype, per-parameter state shaped like the par
 * ``p += u`` is one multi-tensor add into the params' own storage, which the optimizer never
   replaces (their storage identity, ties and aliases stay as they are).
 
+With a transform that treats every leaf on its own (:func:`functional_opt.base.leafwise`), the
+group's large params (``direct_min``: ``TransformOptimizer.direct_min_numel``) that are
+contiguous and share no memory take the *direct* route instead: each is stepped alone by one
+call of :func:`leaf_step`, the transform's update of that one param compiled once for every size
+(:class:`functional_opt._kernels.Kernel`, called straight after the first call). It reads the
+gradient where it is, keeps the param's state in tensors of its own and writes ``p + ratio u``
+into the param's storage in the pass that computes ``u``: nothing is copied, so the step moves
+what torch's fused Adam moves, plus one call's dispatch (about 10-30 us) per param. The other
+params take the packed route above.
+
 A group of ``DTensor`` params (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(), Shard(0))``; see
 :func:`functional_opt._lists.local_shards`) with ``DTensor`` gradients of the same placements
 steps the same way over the params' *local shards*: the buffers hold this rank's elements, the
@@ -32,17 +42,19 @@ dimension's process group by one all-reduce per reduction, inside the graph.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 
-from functional_opt import _lists, tree
-from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable
+from functional_opt import _kernels, _lists, tree
+from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable, leafwise
 from functional_opt.engine import Runner
 from functional_opt.packed import Layout, Packed, pack
+
+from .flat_dreamerv3 import overlapping
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 APPLY_INSIDE_MAX = 4
@@ -64,25 +76,59 @@ class PackedGroup:
         templates: dict[str, list[Tensor]],
         tx: GradientTransformation,
         slots_type: Callable[[Sequence[Any]], Any],
+        spec: optree.PyTreeSpec,
+        slots: list[tuple[str, str]],
         keys: Sequence[Tensor] | None = None,
         group: Any = None,
+        direct_min: int = 0,
     ) -> None:
         self.slots_type = slots_type
+        self.spec = spec
+        """The structure of the group's state down to its per-parameter nodes."""
+        self.slots = slots
+        """Each of its leaves' kind (``"param"``, ``"group"``, ``"hyper"`` or ``"none"``) and
+        state name."""
         self.sharded = keys is not None
         """Whether the group's params are ``DTensor``s stepped on their local shards."""
         self.keys: list[Tensor] = list(params if keys is None else keys)
         self.group = group
         self.steps = 0
         """Steps this group took here (what tests read to know the engine ran)."""
-        stand_ins = slots_type([torch.empty_like(p, device="meta") for p in params])
-        self.layout: Layout = pack(stand_ins).layout  # type: ignore[assignment]
+        # few leaves (large ones, by the size rule of the optimizer): the update is added into
+        # the params inside the compiled graph, in the pass that computes it (with many leaves
+        # inductor's code for the slices was slower than one multi-tensor add after it)
+        self.apply_inside = len(params) <= APPLY_INSIDE_MAX
+        self.direct: list[int] = []
+        """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
+        self.leaf_step: _kernels.Kernel | None = None
+        """Their step, compiled (:func:`leaf_step`)."""
+        if not self.sharded and not self.apply_inside and direct_min > 0:
+            self.direct = direct_params(tx, params, direct_min)
+            fn = leaf_step(tx, spec, [kind for kind, _ in slots]) if self.direct else None
+            if fn is None:  # (a state it cannot rebuild: every param is packed)
+                self.direct = []
+            else:
+                self.leaf_step = _kernels.Kernel(fn)
+        taken = set(self.direct)
+        self.rest = [i for i in range(len(params)) if i not in taken]
+        """The params stepped together over packed buffers."""
+        rest = [params[i] for i in self.rest]
         device = params[0].device
-        order = [self.layout.members(b) for b in range(len(self.layout.sizes))]
-        self.grads = [
-            torch.zeros(n, dtype=params[members[0]].dtype, device=device)
-            for n, members in zip(self.layout.sizes, order, strict=True)
-        ]
-        self.grad_views = self._views(self.grads, params)
+        self.layout: Layout | None = None
+        self.grads: list[Tensor] = []
+        order: list[list[int]] = []
+        if rest:
+            stand_ins = slots_type([torch.empty_like(p, device="meta") for p in rest])
+            layout: Layout = pack(stand_ins).layout  # type: ignore[assignment]
+            self.layout = layout
+            order = [[self.rest[j] for j in layout.members(b)] for b in range(len(layout.sizes))]
+            self.grads = [
+                torch.zeros(n, dtype=params[members[0]].dtype, device=device)
+                for n, members in zip(layout.sizes, order, strict=True)
+            ]
+        self.grad_views: list[Tensor | None] = self._views(self.grads, params)
+        """Per param: its view of the gradient buffer (``None`` for a direct param, whose
+        gradient is read where it is)."""
         self.state: dict[str, list[Tensor]] = {}
         self.state_views: dict[str, list[Tensor]] = {}
         for name, values in templates.items():
@@ -91,19 +137,20 @@ class PackedGroup:
                 raise NotPackable(f"state {name} mixes dtypes within one buffer")
             buffers = [
                 torch.zeros(n, dtype=d.pop(), device=device)
-                for n, d in zip(self.layout.sizes, dtypes, strict=True)
+                for n, d in zip(self.layout.sizes if self.layout else (), dtypes, strict=True)
             ]
             self.state[name] = buffers
-            self.state_views[name] = self._views(buffers, params)
+            views = self._views(buffers, params)
+            for i in self.direct:  # a direct param's state: tensors of its own
+                views[i] = torch.zeros(params[i].shape, dtype=values[i].dtype, device=device)
+            self.state_views[name] = views  # type: ignore[assignment]
         self.state_entries = {
             name: self._entries(views) for name, views in self.state_views.items()
         }
         """What ``optimizer.state[p][name]`` holds: the views (``DTensor``s wrapping them for a
         sharded group)."""
-        # few leaves (large ones, by the size rule of the optimizer): the update is added into
-        # the params inside the compiled graph, in the pass that computes it (with many leaves
-        # inductor's code for the slices was slower than one multi-tensor add after it)
-        self.apply_inside = len(params) <= APPLY_INSIDE_MAX
+        self.leaf_outs: list[Tensor] = []
+        """Where the direct params' steps write the state that is not per parameter."""
         # one runner for every kind of call (its compiled steps are keyed by the call's kind)
         self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
@@ -113,9 +160,16 @@ class PackedGroup:
         self.param_views: list[Tensor] = []
         self.probed = False
 
-    def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
-        views = self.layout.views(buffers)
-        return [v if v is not None else p for v, p in zip(views, params, strict=True)]
+    def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor | None]:
+        """Per param (all of the group's): its view of ``buffers`` (laid out over the packed
+        params); ``None`` for a direct param."""
+        out: list[Tensor | None] = [None] * len(params)
+        if self.layout is not None:
+            rest = [params[i] for i in self.rest]
+            views = self.layout.views(buffers)
+            for i, v, p in zip(self.rest, views, rest, strict=True):
+                out[i] = v if v is not None else p
+        return out
 
     def _entries(self, views: list[Tensor]) -> list[Tensor]:
         return _lists.like_shards(views, self.keys) if self.sharded else views
@@ -141,59 +195,77 @@ class PackedGroup:
             for e, w in zip(entries, wanted, strict=True):
                 e[name] = w
 
-    def packed_state(self, name: str) -> Packed:
+    def packed_state(self, name: str) -> Packed | None:
+        """The packed params' state entry ``name`` (``None`` when every param is direct)."""
+        if self.layout is None:
+            return None
         return Packed(self.layout, buffers=self.state[name])
 
     def step(
         self,
         params: list[Tensor],
         grads: list[Tensor],
-        state: Any,
+        outer: list[Any],
         ratio: float | Tensor,
     ) -> Any:
-        """One update: gradients into the buffer, the fused update, ``p += ratio * u``.
-        Returns the new state tree (packed per-parameter subtrees). For a sharded group
-        ``params`` and ``grads`` are the ``DTensor``s, stepped on their local shards."""
+        """One update: the direct params one at a time (:meth:`_step_direct`), then the others'
+        gradients into the buffer, the fused update, ``p += ratio * u``. ``outer`` holds the
+        leaves of the state tree down to its per-parameter nodes (:attr:`spec`, :attr:`slots`),
+        the per-parameter ones packed. Returns the new state tree (packed per-parameter
+        subtrees).
+        For a sharded group ``params`` and ``grads`` are the ``DTensor``s, stepped on their
+        local shards."""
         if self.sharded:
             params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
             grads = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
         self.steps += 1
+        if self.direct:
+            # first: the packed update may write the group's counters in place
+            news = self._step_direct(params, grads, outer, ratio)
+            if self.layout is None:
+                return optree.tree_unflatten(self.spec, news)
+        params = [params[i] for i in self.rest]
+        grads = [grads[i] for i in self.rest]
+        state = optree.tree_unflatten(self.spec, outer)
+        grad_views = [self.grad_views[i] for i in self.rest]
         # The gradient buffer is ours (a copy) unless the params' gradients are its views (bucket
         # views set by the user): then they are the user's, and the update may not be written
         # over them (the optimizer never writes the gradients).
-        ours = not all(map(operator.is_, grads, self.grad_views))
+        ours = not all(map(operator.is_, grads, grad_views))
         if ours:
-            torch._foreach_copy_(self.grad_views, grads)
+            torch._foreach_copy_(grad_views, grads)  # type: ignore[arg-type]
         donate: dict[str, Any] = {DONATE: True if ours else STATE_ONLY}
-        updates = Packed(self.layout, buffers=self.grads)
+        layout = self.layout
+        assert layout is not None
+        updates = Packed(layout, buffers=self.grads)
         if not self.probed:
             self._probe(updates, state)
         if self.params is not None:
             torch._foreach_copy_(self.param_views, params)  # (read by the transform)
-            given = Packed(self.layout, buffers=self.params)
+            given = Packed(layout, buffers=self.params)
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
-            given = Packed(self.layout, tree=self.slots_type(params))
+            given = Packed(layout, tree=self.slots_type(params))
         if self.apply_inside and not isinstance(ratio, Tensor) and ratio == 1.0:
             _, new_state = self._run(updates, state, given, donate, list(params))
             return new_state
         if not ours:  # the update into a persistent buffer of ours, not a fresh one per step
             if self.scratch is None:
                 self.scratch = [torch.empty_like(b) for b in self.grads]
-                self.scratch_views = self._views(self.scratch, params)
+                self.scratch_views = layout.views(self.scratch)  # type: ignore[assignment]
             _, new_state = self._run(updates, state, given, donate, self.scratch, True, True)
             _add(params, self.scratch_views, ratio)
             return new_state
         new_updates, new_state = self._run(updates, state, given, donate)
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
-                views = self.grad_views
+                views = grad_views
             else:
-                views = self._views(list(new_updates.buffers), params)
+                views = layout.views(list(new_updates.buffers))
         else:
             views = tree.leaves(
                 new_updates.tree if isinstance(new_updates, Packed) else new_updates
             )
-        _add(params, views, ratio)
+        _add(params, views, ratio)  # type: ignore[arg-type]
         return new_state
 
     def _run(
@@ -225,18 +297,167 @@ class PackedGroup:
             self.tx.update(updates, state, None)
         except (ValueError, TypeError):
             self.params = [torch.empty_like(b) for b in self.grads]
-            self.param_views = self.layout.views(self.params)  # type: ignore[assignment]
+            self.param_views = updates.layout.views(self.params)  # type: ignore[union-attr,assignment]
 
     def write_back(self, name: str, new: Any) -> None:
         """Copy a new packed state subtree into the buffers (when the transform returned other
         buffers than it was given)."""
         if not isinstance(new, Packed) or new.buffers is None:
             values = tree.leaves(new.tree if isinstance(new, Packed) else new)
-            torch._foreach_copy_(self.state_views[name], values)
+            views = self.state_views[name]
+            torch._foreach_copy_([views[i] for i in self.rest], values)
             return
         for old, value in zip(self.state[name], new.buffers, strict=True):
             if value is not old:
                 old.copy_(value)
+
+    def _step_direct(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        outer: list[Any],
+        ratio: float | Tensor,
+    ) -> list[Any]:
+        """The direct params, one compiled call each (:func:`leaf_step`): the transform's
+        update of that param alone, its state written in place and ``p + ratio u`` into its
+        own storage; its gradient is read where it is and never written. Returns ``outer``
+        with the new values of the state that is not per parameter (every call computes the
+        same ones)."""
+        kinds = [kind for kind, _ in self.slots]
+        step = self.leaf_step
+        assert step is not None
+        if not self.leaf_outs:
+            self.leaf_outs = [
+                torch.empty_like(x) for x, k in zip(outer, kinds, strict=True) if k in _GIVEN
+            ]
+        names = [name for kind, name in self.slots if kind == "param"]
+        given = [x for x, k in zip(outer, kinds, strict=True) if k in _GIVEN]
+        if isinstance(ratio, Tensor):
+            scale = ratio.detach().to(torch.float64)
+        else:
+            scale = torch.tensor(ratio, dtype=torch.float64)
+        for i in self.direct:
+            state = [self.state_views[name][i] for name in names]
+            step(grads[i], params[i], scale, *state, *given, *self.leaf_outs)
+        news = iter([x.clone() for x in self.leaf_outs])
+        return [next(news) if k in _GIVEN else x for x, k in zip(outer, kinds, strict=True)]
+
+
+_GIVEN = ("group", "hyper")
+"""The kinds of state leaves that are not per parameter (see :meth:`PackedGroup.step`)."""
+
+
+def leaf_step(
+    tx: GradientTransformation,
+    spec: optree.PyTreeSpec,
+    kinds: list[str],
+) -> Callable[..., None] | None:
+    """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs)``
+    runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the param's own
+    per-parameter entries ``state`` and the group's other state leaves ``given`` (in ``spec``'s
+    order of ``kinds``), writes the new per-parameter entries into ``state``, ``p + ratio u``
+    into ``p`` (in ``p``'s dtype) and the new values of ``given`` into ``outs``. Only the state
+    is donated (the gradient is the user's); ``given`` is copied first, so every call reads the
+    same values. ``None`` when the state holds a node :class:`_Rebuild` cannot rebuild."""
+    n_param = kinds.count("param")
+    n_given = sum(k in _GIVEN for k in kinds)
+    template = optree.tree_unflatten(
+        spec, [[0] if k == "param" else (None if k == "none" else 0) for k in kinds]
+    )
+    try:
+        shape = _Rebuild(template)
+    except NotPackable:
+        return None
+
+    def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> None:
+        state_in = iter(args[:n_param])
+        given = iter([x.clone() for x in args[n_param : n_param + n_given]])
+        outs = iter(args[n_param + n_given :])
+        leaves = [
+            next(state_in) if k == "param" else (None if k == "none" else next(given))
+            for k in kinds
+        ]
+        state = shape.build(iter(leaves))
+        updates, new = tx.update([g], state, [p], **{DONATE: STATE_ONLY})
+        u = tree.leaves(updates)[0]
+        p.copy_((p + ratio * u).to(p.dtype))
+        state_in = iter(args[:n_param])
+        new_leaves: list[Any] = []
+        shape.leaves(new, new_leaves)
+        for k, value in zip(kinds, new_leaves, strict=True):
+            if k == "param":
+                old = next(state_in)
+                if value is not old:
+                    old.copy_(value)
+            elif k != "none":
+                next(outs).copy_(value)
+
+    return step
+
+
+class _Rebuild:
+    """A state tree's structure, to rebuild the tree from its leaves and list the leaves of a
+    tree of that structure in plain Python, in ``optree``'s order (inside a traced function:
+    dynamo cannot rebuild a tree from a structure made outside it, nor flatten a dict through
+    ``optree``). Takes the containers states are made of (tuples, named tuples, lists, dicts);
+    another node raises :class:`NotPackable`."""
+
+    def __init__(self, node: Any) -> None:
+        self.kind = "leaf"
+        self.type: Any = None
+        self.keys: list[Any] = []  # a dict's keys, in the order its leaves come
+        self.order: list[Any] = []  # a dict's keys, in its own order
+        self.children: list[_Rebuild] = []
+        if node is None or isinstance(node, int):
+            return
+        children, _, entries = optree.tree_flatten_one_level(
+            node, none_is_leaf=True, namespace=tree.NAMESPACE
+        )[:3]
+        self.children = [_Rebuild(c) for c in children]
+        self.type = type(node)
+        if self.type is dict:
+            self.kind, self.keys, self.order = "dict", list(entries), list(node)
+        elif self.type in (tuple, list):
+            self.kind = "sequence"
+        elif issubclass(self.type, tuple) and hasattr(self.type, "_fields"):
+            self.kind = "namedtuple"
+        else:
+            raise NotPackable(f"the state holds a {self.type.__name__}")
+
+    def build(self, leaves: Iterator[Any]) -> Any:
+        if self.kind == "leaf":
+            return next(leaves)
+        values = [c.build(leaves) for c in self.children]
+        if self.kind == "dict":
+            by_key = dict(zip(self.keys, values, strict=True))
+            return {k: by_key[k] for k in self.order}
+        if self.kind == "namedtuple":
+            return self.type(*values)
+        return self.type(values)
+
+    def leaves(self, node: Any, out: list[Any]) -> None:
+        if self.kind == "leaf":
+            out.append(node)
+            return
+        items = [node[k] for k in self.keys] if self.kind == "dict" else list(node)
+        for c, item in zip(self.children, items, strict=True):
+            c.leaves(item, out)
+
+
+def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: int) -> list[int]:
+    """The params of a group that step one at a time in their own storage: for a transform
+    that treats every leaf on its own (:func:`functional_opt.base.leafwise`), the contiguous
+    params of at least ``least`` elements that share memory with no other param of the group.
+    Each costs one call of a compiled kernel (about 10-30 us of dispatch), and saves copying
+    its gradient into a buffer and its update out of one (two passes over its memory)."""
+    if not leafwise(tx):
+        return []
+    shared = {i for cluster in overlapping(params) for i in cluster}
+    return [
+        i
+        for i, p in enumerate(params)
+        if p.numel() >= least and p.is_contiguous() and i not in shared
+    ]
 
 
 def _add(params: list[Tensor], updates: list[Tensor], ratio: float | Tensor) -> None:

@@ -288,6 +288,14 @@ class TransformOptimizer(torch.optim.Optimizer):
     fused_min_numel: int = 2**20
     """The smallest group (in elements) that steps on the engine (see :attr:`fused_steps`)."""
 
+    direct_min_numel: int = 2**15
+    """On the engine, with a transform that treats every leaf on its own
+    (``functional_opt.base.leafwise``: ``adam``, ``adamw`` without a mask, ``sgd``,
+    ``dreamerv3``...), params of at least this many elements step one at a time in their own
+    storage: one compiled call each reads the gradient where it is and writes the param in
+    place, instead of copying the gradient into a buffer and adding the update back (see
+    :mod:`functional_opt.adapters.packed_group`). ``0`` turns that off."""
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -810,11 +818,27 @@ class TransformOptimizer(torch.optim.Optimizer):
         if layout.engine is None:
             try:
                 templates = templates_by_name(layout.param_template)
+                slots = [(slot.kind, slot.name) for slot in layout.slots]
                 if shards is None:
-                    layout.engine = PackedGroup(params, templates, layout.tx, ParamSlots)
+                    layout.engine = PackedGroup(
+                        params,
+                        templates,
+                        layout.tx,
+                        ParamSlots,
+                        layout.spec,
+                        slots,
+                        direct_min=self.direct_min_numel,
+                    )
                 else:
                     layout.engine = PackedGroup(
-                        shards.locals, templates, layout.tx, ParamSlots, params, shards.group
+                        shards.locals,
+                        templates,
+                        layout.tx,
+                        ParamSlots,
+                        layout.spec,
+                        slots,
+                        params,
+                        shards.group,
                     )
             except NotPackable:
                 layout.engine = False
@@ -835,9 +859,8 @@ class TransformOptimizer(torch.optim.Optimizer):
     ) -> None:
         engine.adopt_state([self.state[p] for p in params])
         outer = _outer_state(layout, group_state, engine.packed_state)
-        state = optree.tree_unflatten(layout.spec, outer)
         ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
-        new_state = engine.step(params, grads, state, ratio)
+        new_state = engine.step(params, grads, outer, ratio)
         new_outer, spec = flatten_to_packed(new_state, ParamSlots)
         if spec != layout.spec:
             raise RuntimeError(

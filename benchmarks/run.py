@@ -264,6 +264,8 @@ def ours_transform_optimizer(
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
     if engine:
         for p, view in zip(params, engine.grad_views, strict=True):
+            if view is None:  # a param on the direct route: its gradient is read in place
+                continue
             assert p.grad is not None
             view.copy_(p.grad)
             p.grad = view

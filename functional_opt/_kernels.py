@@ -26,6 +26,7 @@ from torch import Tensor
 
 __all__ = [
     "ADD_MIN",
+    "Kernel",
     "add_in_place",
     "apply_kernel",
     "call",
@@ -251,7 +252,16 @@ class _Compiled:
         if self._graphs == 0 and not _recorded(args):
             self._capture = _Capture(args)
         try:
-            result = self._dynamo(*args)
+            # Python numbers (a transform's constants, even those its closures hold) stay
+            # constants of the graph, as in a graph compiled with fixed sizes: traced as symbols
+            # they would be inputs the direct call cannot give (and a check such as
+            # math.isfinite(x) of one could not be traced). nn.Parameter arguments get dynamic
+            # sizes like other tensors (by default dynamo fixes a parameter's sizes, which would
+            # compile once per size).
+            with torch._dynamo.config.patch(
+                specialize_int=True, specialize_float=True, force_parameter_static_shapes=False
+            ):
+                result = self._dynamo(*args)
         finally:
             capture, self._capture = self._capture, None
         if capture is not None:
@@ -386,9 +396,47 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     run a second time on the same arguments."""
     if fn in _FAILED or torch.compiler.is_compiling():
         return fn(*args)
+    return _run(fn, args, lambda: compiled(fn, *args), lambda: _FAILED.add(fn))
+
+
+class Kernel:
+    """``fn`` compiled as :func:`call` compiles it, with its compiled signatures held by this
+    object instead of the module's cache (a function made for one owner, such as a transform's
+    step over one leaf, is compiled and freed with its owner). ``kernel(*args)`` runs it, with
+    :func:`call`'s fallback to eager if compiling fails."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled: dict[_Key, _Compiled] = {}
+        self.failed = False
+
+    def _for(self, args: tuple[Any, ...]) -> _Compiled:
+        key = _signature(self.fn, args)
+        out = self.compiled.get(key)
+        if out is None:
+            out = self.compiled[key] = _Compiled(self.fn)
+        return out
+
+    def _fail(self) -> None:
+        self.failed = True
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed or torch.compiler.is_compiling():
+            return self.fn(*args)
+        return _run(self.fn, args, lambda: self._for(args), self._fail)
+
+
+def _run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kernel_for: Callable[[], _Compiled],
+    failed: Callable[[], None],
+) -> Any:
+    """``kernel_for()(*args)``; if compiling fails, ``fn(*args)`` eagerly, then ``failed()`` and
+    a warning (see :func:`call`)."""
     kernel: _Compiled | None = None
     try:
-        kernel = compiled(fn, *args)
+        kernel = kernel_for()
         return kernel(*args)
     except Exception as err:
         if kernel is not None and kernel.started:
@@ -396,10 +444,10 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
         failure = err
     # Nothing was written (the compiled code never ran): eager decides whose fault it was.
     out = fn(*args)
-    _FAILED.add(fn)
+    failed()
     warnings.warn(
         f"functional_opt: torch.compile of {fn.__name__} failed ({failure!r}); running it eagerly",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return out

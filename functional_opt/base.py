@@ -32,6 +32,7 @@ __all__ = [
     "check_extra",
     "current_stage",
     "declare_fusable",
+    "declare_leafwise",
     "declare_stages",
     "declare_step_size",
     "describe",
@@ -41,6 +42,7 @@ __all__ = [
     "extra_keywords",
     "fusable",
     "identity",
+    "leafwise",
     "named_chain",
     "safe_increment",
     "staged",
@@ -337,6 +339,31 @@ def fusable(tx: GradientTransformation) -> bool:
     return bool(declared is not None and declared())
 
 
+_LEAFWISE = "__functional_opt_leafwise__"
+
+
+def declare_leafwise(
+    update: Callable[..., Any], declared: bool | Callable[[], bool] = True
+) -> Callable[..., Any]:
+    """Declares that ``update`` treats every leaf on its own: each leaf's update and new state
+    depend only on that leaf's update, state and param and on the state that is not per
+    parameter (counters, injected hyperparameters), which the update changes the same way
+    whatever the leaves (``declared()``: whether it does, for a wrapper that depends on its
+    members). Then the update of a one-leaf tree, leaf by leaf, equals the update of the whole
+    tree, and ``TransformOptimizer``'s engine may step large params one at a time, in their
+    own storage (see ``functional_opt.adapters.packed_group``). A global norm, a finite check
+    over all leaves or a mask given as a tree is not leafwise. Returns ``update``."""
+    setattr(update, _LEAFWISE, declared if callable(declared) else (lambda: declared))
+    return update
+
+
+def leafwise(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` declares that it treats every leaf on its own (see
+    :func:`declare_leafwise`). A transform that declares nothing is not."""
+    declared = getattr(tx.update, _LEAFWISE, None)
+    return bool(declared is not None and declared())
+
+
 _STAGES = "__functional_opt_stages__"
 
 Stages = tuple[tuple[int, Hashable], ...]
@@ -426,13 +453,15 @@ def stateless(
     name: str | None = None,
     *,
     elementwise: bool = False,
+    leafwise: bool = False,
 ) -> GradientTransformation:
     """A transform without state: ``update`` returns ``fn(updates, params)`` and the
     ``EmptyState`` it was given. Given ``params``, it refuses updates of another shape (naming
     the leaf), as every transform does. It accepts the library's extra keywords only
     (:func:`check_extra`); ``name`` (default: the function that made ``fn``) names it in
     errors. ``elementwise=True`` declares that ``fn`` splits its updates with
-    ``tree.split(updates, elementwise=True)`` (see :func:`declare_fusable`)."""
+    ``tree.split(updates, elementwise=True)`` (see :func:`declare_fusable`); ``leafwise=True``
+    that it maps each leaf on its own (see :func:`declare_leafwise`)."""
     where = name or fn.__qualname__.split(".<locals>")[0]
 
     def init_fn(params: Params) -> EmptyState:
@@ -455,6 +484,7 @@ def stateless(
         return fn(updates, params), state
 
     declare_fusable(update_fn, elementwise)
+    declare_leafwise(update_fn, leafwise)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -476,12 +506,12 @@ def stateless_with_tree_map(
             return tree.tree_map(lambda u: fn(u, None), updates, elementwise=elementwise)
         return tree.tree_map(fn, updates, params, elementwise=elementwise)
 
-    return stateless(apply, where, elementwise=elementwise)
+    return stateless(apply, where, elementwise=elementwise, leafwise=True)
 
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged: ``u -> u``."""
-    return stateless(lambda updates, params: updates, "identity", elementwise=True)
+    return stateless(lambda updates, params: updates, "identity", elementwise=True, leafwise=True)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -531,6 +561,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     declare_step_size(update_fn, lambda: _chain_step_size(transforms))
     declare_fusable(update_fn, lambda: all(fusable(t) for t in transforms))
+    declare_leafwise(update_fn, lambda: all(leafwise(t) for t in transforms))
     if any(getattr(t.update, _STAGES, None) is not None for t in transforms):
         declare_stages(update_fn, lambda state: _member_stages(transforms, state))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
@@ -559,6 +590,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
+    declare_leafwise(update_fn, lambda: leafwise(inner))
     if getattr(inner.update, _STAGES, None) is not None:
         declare_stages(
             update_fn,

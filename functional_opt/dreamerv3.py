@@ -20,10 +20,12 @@ from functional_opt.base import (
     chain,
     constant_step_size,
     declare_fusable,
+    declare_leafwise,
     declare_step_size,
     donating,
     donating_updates,
     fusable,
+    leafwise,
 )
 from functional_opt.engine import Runner
 from functional_opt.packed import Packed
@@ -192,6 +194,7 @@ def dreamerv3(
     declare_step_size(update_fn, declared)
     # under torch.compile the fast paths step aside and the chain runs: the engine compiles it
     declare_fusable(update_fn, fusable(reference))
+    declare_leafwise(update_fn, leafwise(reference))
     return GradientTransformation(reference.init, update_fn)
 
 

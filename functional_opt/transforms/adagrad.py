@@ -16,6 +16,7 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_leafwise,
     donating,
     expect_state,
 )
@@ -69,4 +70,5 @@ def scale_by_rss(
         )
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

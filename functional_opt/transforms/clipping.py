@@ -39,7 +39,7 @@ def clip(max_delta: float | Tensor) -> GradientTransformation:
                 )
         return at.updates(_lists.clamp(g, -max_delta, max_delta))
 
-    return stateless(apply, elementwise=True)
+    return stateless(apply, elementwise=True, leafwise=True)
 
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
@@ -241,4 +241,4 @@ def clip_by_agc(clip: float | Tensor = 0.3, pmin: float | Tensor = 1e-3) -> Grad
         unorm, pnorm = at.norm_vectors(g, p)
         return at.updates(at.scale_leaves(g, agc_factors_from_norms(unorm, pnorm, clip, pmin)))
 
-    return stateless(apply, elementwise=True)
+    return stateless(apply, elementwise=True, leafwise=True)

@@ -86,7 +86,7 @@ def set_to_zero() -> GradientTransformation:
         g, at = tree.split(updates, elementwise=True)
         return at.updates(negative_zeros_like(g))
 
-    return stateless(apply, "set_to_zero", elementwise=True)
+    return stateless(apply, "set_to_zero", elementwise=True, leafwise=True)
 
 
 def _check_mask(mask: Any) -> None:

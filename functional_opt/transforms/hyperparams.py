@@ -20,9 +20,11 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_leafwise,
     expect_state,
     extra_keywords,
     fusable,
+    leafwise,
     safe_increment,
     zero_count,
 )
@@ -208,6 +210,7 @@ def inject_hyperparams(
             return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
 
         declare_fusable(update_fn, fusable(probe))
+        declare_leafwise(update_fn, leafwise(probe))
         return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
     return wrapped

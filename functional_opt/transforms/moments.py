@@ -21,6 +21,7 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_leafwise,
     donating,
     expect_state,
     safe_increment,
@@ -146,6 +147,7 @@ def scale_by_rms(
         return at.updates(out), ScaleByRmsState(new_nu)
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -235,6 +237,7 @@ def scale_by_stddev(
         return at.updates(out), ScaleByRStdDevState(new_mu, new_nu)
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -304,6 +307,7 @@ def scale_by_adam(
         )
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -342,6 +346,7 @@ def trace(
         return at.updates(out), TraceState(at.carry(state.trace, stored, "state.trace"))
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -390,4 +395,5 @@ def ema(
         return at.updates(out), EmaState(count, at.carry(state.ema, stored, "state.ema"))
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -17,6 +17,7 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_leafwise,
     donating,
     expect_state,
     safe_increment,
@@ -108,4 +109,5 @@ def scale_by_radam(
         )
 
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))

@@ -18,6 +18,7 @@ from functional_opt.base import (
     accepting,
     constant_step_size,
     declare_fusable,
+    declare_leafwise,
     declare_step_size,
     donating,
     expect_state,
@@ -45,7 +46,7 @@ def scale(step_size: float | Tensor) -> GradientTransformation:
         g, at = tree.split(updates, elementwise=True)
         return at.updates(_lists.mul(g, step_size))
 
-    tx = stateless(apply, elementwise=True)
+    tx = stateless(apply, elementwise=True, leafwise=True)
     declare_step_size(tx.update, lambda: constant_step_size(step_size, "its scale's step size"))
     return tx
 
@@ -77,6 +78,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     declare_step_size(update_fn, declared)
     declare_fusable(update_fn)
+    declare_leafwise(update_fn)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 

@@ -32,5 +32,5 @@ def add_decayed_weights(
         p = at.take(params, "params")
         return at.updates(_lists.like(_lists.add(g, _lists.like(p, g), alpha=weight_decay), g))
 
-    tx = stateless(apply, elementwise=True)
+    tx = stateless(apply, elementwise=True, leafwise=True)
     return masked(tx, mask) if mask is not None else tx

@@ -1,0 +1,273 @@
+"""The engine's direct route: with a transform that treats every leaf on its own
+(``functional_opt.base.leafwise``), ``TransformOptimizer`` steps its large params one at a time
+in their own storage, one compiled call each, reading the gradient where it is.
+
+The per-leaf claims are checked eagerly and bit for bit (a leafwise transform run on one leaf
+does the same ops as on the whole tree). The optimizer's steps are compared with its per-tensor
+path by rule 2 of tests/README.md: compiled and eager code round the same math differently."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from conftest import (
+    DREAMERV3_ELEMENTWISE_OPS,
+    ELEMENTWISE_OPS,
+    assert_bitwise,
+    assert_close_rounding,
+)
+
+import functional_opt as fo
+from functional_opt import tree
+from functional_opt.adapters import TransformOptimizer
+from functional_opt.base import leafwise
+
+LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "adam": lambda: fo.adam(1e-2),
+    "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
+    "sgd-nesterov": lambda: fo.sgd(1e-2, 0.9, nesterov=True),
+    "dreamerv3": lambda: fo.dreamerv3(1e-2, warmup=2, _fused=False),
+    "lion": lambda: fo.lion(1e-3),
+    "adagrad": lambda: fo.adagrad(1e-2),
+    "clip-agc-rms": lambda: fo.chain(
+        fo.clip_by_agc(0.3), fo.scale_by_rms(0.99), fo.clip(0.5), fo.scale(-1e-2)
+    ),
+    "injected-adam": lambda: fo.inject_hyperparams(fo.adam)(learning_rate=1e-2),
+    "scheduled": lambda: fo.chain(
+        fo.scale_by_adam(), fo.scale_by_learning_rate(fo.cosine_decay_schedule(1e-2, 10))
+    ),
+}
+
+NOT_LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "global-norm-clip": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)),
+    "masked-decay": lambda: fo.adamw(1e-2, weight_decay=0.1, mask=[True, False, True]),
+    "apply-if-finite": lambda: fo.apply_if_finite(fo.adam(1e-2), 3),
+    "multi-steps": lambda: fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation(),
+}
+
+
+def _leaves(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(5, 4), (7,), (3, 2, 2)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+@pytest.mark.parametrize("name", list(LEAFWISE))
+def test_a_leafwise_transform_updates_each_leaf_as_if_alone(name: str) -> None:
+    """The declaration's promise: over three steps, the update of each leaf of a tree (and its
+    state) is bit for bit that of the leaf alone, and the state that is not per parameter comes
+    out the same from every one-leaf run."""
+    tx = LEAFWISE[name]()
+    assert leafwise(tx)
+    params = _leaves(0)
+    state = tx.init(params)
+    alone = [tx.init([p]) for p in params]
+    for step in range(3):
+        grads = _leaves(10 + step)
+        updates, state = tx.update(grads, state, params)
+        for i, (g, p) in enumerate(zip(grads, params, strict=True)):
+            u, alone[i] = tx.update([g], alone[i], [p])
+            assert_bitwise(u[0], updates[i])
+        params = [p + u for p, u in zip(params, updates, strict=True)]
+    leaves = optree.tree_leaves(state, namespace=tree.NAMESPACE)
+    for i in range(len(params)):
+        mine = optree.tree_leaves(alone[i], namespace=tree.NAMESPACE)
+        per_param = [x for x in leaves if x.shape == params[i].shape and x.ndim > 0]
+        assert len(mine) == len(leaves) - len(per_param) * (len(params) - 1) or not per_param
+    for i in range(1, len(params)):
+        shared = [x for x in optree.tree_leaves(alone[i], namespace=tree.NAMESPACE) if x.ndim == 0]
+        first = [x for x in optree.tree_leaves(alone[0], namespace=tree.NAMESPACE) if x.ndim == 0]
+        assert_bitwise(shared, first)
+
+
+@pytest.mark.parametrize("name", list(NOT_LEAFWISE))
+def test_transforms_that_look_across_leaves_are_not_leafwise(name: str) -> None:
+    assert not leafwise(NOT_LEAFWISE[name]())
+
+
+def test_a_transform_that_declares_nothing_is_not_leafwise() -> None:
+    tx = fo.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, s))
+    assert not leafwise(tx)
+
+
+# --------------------------------------------------------------------------------- adapter
+class _Model(torch.nn.Module):
+    """Two large matrices (stepped directly), a small one and vectors (packed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 96)
+        self.b = torch.nn.Linear(96, 64)
+        self.c = torch.nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _direct(make: Callable[[Any], TransformOptimizer], params: Any) -> TransformOptimizer:
+    opt = make(params)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 1000
+    return opt
+
+
+MAKERS: dict[str, tuple[Callable[[Any], TransformOptimizer], int]] = {
+    # (the maker, the roundings per element of one update beyond ELEMENTWISE_OPS)
+    "factory-adam": (lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2), 0),
+    "ready-made-adamw": (lambda ps: TransformOptimizer(ps, fo.adamw(1e-2, weight_decay=0.1)), 0),
+    "sgd-momentum": (lambda ps: TransformOptimizer(ps, fo.sgd, lr=1e-2, momentum=0.9), 0),
+    # the clip's norms over the largest leaf, per update
+    "dreamerv3": (
+        lambda ps: TransformOptimizer(ps, fo.dreamerv3, lr=1e-2, warmup=2),
+        DREAMERV3_ELEMENTWISE_OPS + 96 * 64 + 2,
+    ),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_large_params_step_in_their_own_storage_like_the_per_tensor_path(name: str) -> None:
+    """Lockstep with the per-tensor path (the engine's params reset to the reference's after
+    each step, so each update is compared alone): the large params take the direct route, the
+    others the packed one; the params keep their storage, the gradients are never written,
+    the direct params' state entries are tensors of their own, and the group's lr drives the
+    direct route too (a changed lr applies at once, 0 freezes)."""
+    make, extra = MAKERS[name]
+    torch.manual_seed(0)
+    model = _Model()
+    ref_model = copy.deepcopy(model)
+    opt = _direct(make, model.parameters())
+    ref = make(ref_model.parameters())
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    for step in range(4):
+        if step == 2:
+            for o in (opt, ref):
+                o.param_groups[0]["lr"] = 5e-3
+        x = torch.randn(8, 16)
+        before = [p.detach().clone() for p in ref_model.parameters()]
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        opt.step()
+        ref.step()
+        assert_bitwise([p.grad for p in model.parameters()], grads)
+        got = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+        want = [p.detach() - b for p, b in zip(ref_model.parameters(), before, strict=True)]
+        ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
+        scale = [b.abs() + 1e-2 for b in before]
+        assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+                p.copy_(q)
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    params = list(model.parameters())
+    assert [params[i].numel() for i in engine.direct] == [96 * 16, 64 * 96]
+    assert engine.rest, "the small params are packed"
+    assert [p.data_ptr() for p in params] == ptrs
+    buffers = {b.untyped_storage().data_ptr() for bs in engine.state.values() for b in bs}
+    for i in engine.direct:
+        for value in opt.state[params[i]].values():
+            if value.ndim:
+                assert value.untyped_storage().data_ptr() not in buffers
+    frozen = [p.detach().clone() for p in params]
+    opt.param_groups[0]["lr"] = 0.0
+    opt.zero_grad()
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+    assert_bitwise([p.detach() for p in params], frozen)
+
+
+def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
+    """One compiled graph serves the direct params of one rank whatever their sizes, and later
+    calls go straight to it."""
+    torch.manual_seed(2)
+    model = _Model()
+    opt = _direct(lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2), model.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    compiled = list(engine.leaf_step.compiled.values())
+    assert len(compiled) == 1
+    assert compiled[0]._graphs == 1
+    assert compiled[0].direct is not None
+
+
+def test_params_that_share_memory_are_not_stepped_directly() -> None:
+    """Weights tied by storage stay on the packed route (their updates are computed from the
+    values before the step and added one after the other, as torch's optimizers add them), and
+    stay tied."""
+    torch.manual_seed(3)
+    enc = torch.nn.Linear(48, 64, bias=False)
+    dec = torch.nn.Linear(64, 48, bias=False)
+    dec.weight.data = enc.weight.data.t()
+    other = torch.nn.Parameter(torch.randn(64, 40))
+    small = [torch.nn.Parameter(torch.randn(8)) for _ in range(3)]
+    params = [enc.weight, dec.weight, other, *small]
+    opt = _direct(lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2), params)
+    for _ in range(2):
+        opt.zero_grad()
+        x = torch.randn(5, 48)
+        loss = dec(enc(x)).pow(2).mean() + (other * 2).sum() + sum(s.sum() for s in small)
+        loss.backward()
+        opt.step()
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == [2]
+    assert_bitwise(dec.weight.detach(), enc.weight.detach().t())
+
+
+def test_a_checkpoint_of_direct_params_round_trips() -> None:
+    """state_dict() with direct params loads (weights_only) into a fresh optimizer, whose next
+    steps give the same params bit for bit; and into one on the per-tensor path."""
+    torch.manual_seed(4)
+    model = _Model()
+    make = MAKERS["dreamerv3"][0]
+    opt = _direct(make, model.parameters())
+    batches = [torch.randn(8, 16) for _ in range(4)]
+    for x in batches[:2]:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    twin = copy.deepcopy(model)
+    loaded = _direct(make, twin.parameters())
+    buf.seek(0)
+    loaded.load_state_dict(torch.load(buf, weights_only=True))
+    for x in batches[2:]:
+        for m, o in ((model, opt), (twin, loaded)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    assert_bitwise(list(twin.parameters()), list(model.parameters()))
+
+
+def test_direct_route_off_packs_every_param() -> None:
+    torch.manual_seed(5)
+    model = _Model()
+    opt = _direct(lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2), model.parameters())
+    opt.direct_min_numel = 0
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == []
+    assert len(engine.rest) == len(list(model.parameters()))
+
+
+def test_a_transform_that_is_not_leafwise_packs_every_param() -> None:
+    torch.manual_seed(6)
+    model = _Model()
+    chain = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
+    opt = _direct(lambda ps: TransformOptimizer(ps, chain), model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    assert opt._layouts[0].engine.direct == []  # type: ignore[union-attr]
