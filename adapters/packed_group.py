@@ -42,7 +42,7 @@ dimension's process group by one all-reduce per reduction, inside the graph.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -52,6 +52,7 @@ from torch import Tensor
 from functional_opt import _kernels, _lists, tree
 from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable, leafwise
 from functional_opt.engine import Runner
+from functional_opt.leaf_step import GIVEN, leaf_step
 from functional_opt.packed import Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
@@ -104,7 +105,8 @@ class PackedGroup:
         """Their step, compiled (:func:`leaf_step`)."""
         if not self.sharded and not self.apply_inside and direct_min > 0:
             self.direct = direct_params(tx, params, direct_min)
-            fn = leaf_step(tx, spec, [kind for kind, _ in slots]) if self.direct else None
+            kinds = [kind for kind, _ in slots]
+            fn = leaf_step(tx, optree.tree_unflatten(spec, kinds), kinds) if self.direct else None
             if fn is None:  # (a state it cannot rebuild: every param is packed)
                 self.direct = []
             else:
@@ -328,10 +330,10 @@ class PackedGroup:
         assert step is not None
         if not self.leaf_outs:
             self.leaf_outs = [
-                torch.empty_like(x) for x, k in zip(outer, kinds, strict=True) if k in _GIVEN
+                torch.empty_like(x) for x, k in zip(outer, kinds, strict=True) if k in GIVEN
             ]
         names = [name for kind, name in self.slots if kind == "param"]
-        given = [x for x, k in zip(outer, kinds, strict=True) if k in _GIVEN]
+        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         if isinstance(ratio, Tensor):
             scale = ratio.detach().to(torch.float64)
         else:
@@ -340,108 +342,7 @@ class PackedGroup:
             state = [self.state_views[name][i] for name in names]
             step(grads[i], params[i], scale, *state, *given, *self.leaf_outs)
         news = iter([x.clone() for x in self.leaf_outs])
-        return [next(news) if k in _GIVEN else x for x, k in zip(outer, kinds, strict=True)]
-
-
-_GIVEN = ("group", "hyper")
-"""The kinds of state leaves that are not per parameter (see :meth:`PackedGroup.step`)."""
-
-
-def leaf_step(
-    tx: GradientTransformation,
-    spec: optree.PyTreeSpec,
-    kinds: list[str],
-) -> Callable[..., None] | None:
-    """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs)``
-    runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the param's own
-    per-parameter entries ``state`` and the group's other state leaves ``given`` (in ``spec``'s
-    order of ``kinds``), writes the new per-parameter entries into ``state``, ``p + ratio u``
-    into ``p`` (in ``p``'s dtype) and the new values of ``given`` into ``outs``. Only the state
-    is donated (the gradient is the user's); ``given`` is copied first, so every call reads the
-    same values. ``None`` when the state holds a node :class:`_Rebuild` cannot rebuild."""
-    n_param = kinds.count("param")
-    n_given = sum(k in _GIVEN for k in kinds)
-    template = optree.tree_unflatten(
-        spec, [[0] if k == "param" else (None if k == "none" else 0) for k in kinds]
-    )
-    try:
-        shape = _Rebuild(template)
-    except NotPackable:
-        return None
-
-    def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> None:
-        state_in = iter(args[:n_param])
-        given = iter([x.clone() for x in args[n_param : n_param + n_given]])
-        outs = iter(args[n_param + n_given :])
-        leaves = [
-            next(state_in) if k == "param" else (None if k == "none" else next(given))
-            for k in kinds
-        ]
-        state = shape.build(iter(leaves))
-        updates, new = tx.update([g], state, [p], **{DONATE: STATE_ONLY})
-        u = tree.leaves(updates)[0]
-        p.copy_((p + ratio * u).to(p.dtype))
-        state_in = iter(args[:n_param])
-        new_leaves: list[Any] = []
-        shape.leaves(new, new_leaves)
-        for k, value in zip(kinds, new_leaves, strict=True):
-            if k == "param":
-                old = next(state_in)
-                if value is not old:
-                    old.copy_(value)
-            elif k != "none":
-                next(outs).copy_(value)
-
-    return step
-
-
-class _Rebuild:
-    """A state tree's structure, to rebuild the tree from its leaves and list the leaves of a
-    tree of that structure in plain Python, in ``optree``'s order (inside a traced function:
-    dynamo cannot rebuild a tree from a structure made outside it, nor flatten a dict through
-    ``optree``). Takes the containers states are made of (tuples, named tuples, lists, dicts);
-    another node raises :class:`NotPackable`."""
-
-    def __init__(self, node: Any) -> None:
-        self.kind = "leaf"
-        self.type: Any = None
-        self.keys: list[Any] = []  # a dict's keys, in the order its leaves come
-        self.order: list[Any] = []  # a dict's keys, in its own order
-        self.children: list[_Rebuild] = []
-        if node is None or isinstance(node, int):
-            return
-        children, _, entries = optree.tree_flatten_one_level(
-            node, none_is_leaf=True, namespace=tree.NAMESPACE
-        )[:3]
-        self.children = [_Rebuild(c) for c in children]
-        self.type = type(node)
-        if self.type is dict:
-            self.kind, self.keys, self.order = "dict", list(entries), list(node)
-        elif self.type in (tuple, list):
-            self.kind = "sequence"
-        elif issubclass(self.type, tuple) and hasattr(self.type, "_fields"):
-            self.kind = "namedtuple"
-        else:
-            raise NotPackable(f"the state holds a {self.type.__name__}")
-
-    def build(self, leaves: Iterator[Any]) -> Any:
-        if self.kind == "leaf":
-            return next(leaves)
-        values = [c.build(leaves) for c in self.children]
-        if self.kind == "dict":
-            by_key = dict(zip(self.keys, values, strict=True))
-            return {k: by_key[k] for k in self.order}
-        if self.kind == "namedtuple":
-            return self.type(*values)
-        return self.type(values)
-
-    def leaves(self, node: Any, out: list[Any]) -> None:
-        if self.kind == "leaf":
-            out.append(node)
-            return
-        items = [node[k] for k in self.keys] if self.kind == "dict" else list(node)
-        for c, item in zip(self.children, items, strict=True):
-            c.leaves(item, out)
+        return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 
 
 def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: int) -> list[int]:

@@ -292,13 +292,15 @@ def ours_pure_chain(params: list[torch.nn.Parameter], chain: str, engine: bool) 
     return step
 
 
-def ours_fused_step(params: list[torch.nn.Parameter], chain: str) -> Step:
+def ours_fused_step(params: list[torch.nn.Parameter], chain: str, packed: bool = True) -> Step:
     """``fo.fused_step``: the pure donated update and ``apply_updates`` compiled as one graph
-    over packed trees."""
+    over packed trees; ``packed=False``: over the plain list of tensors (a leafwise chain is
+    stepped leaf by leaf in place, one compiled call per leaf)."""
     tx = CHAINS[chain]()
     step = fo.fused_step(tx)
-    holder: dict[str, Any] = {"p": fo.pack([p.detach().clone() for p in params])}
-    grads = fo.pack([p.grad for p in params])
+    pack: Callable[[Any], Any] = fo.pack if packed else (lambda x: x)
+    holder: dict[str, Any] = {"p": pack([p.detach().clone() for p in params])}
+    grads = pack([p.grad.clone() for p in params])  # type: ignore[union-attr]
     holder["s"] = tx.init(holder["p"])
 
     def run() -> None:
@@ -353,6 +355,12 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     **{
         f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)
         for c in ("adam", "chain(clip_by_global_norm, adamw)", "dreamerv3")
+    },
+    **{
+        f"ours: pure fused_step {c}, plain trees": functools.partial(
+            ours_fused_step, chain=c, packed=False
+        )
+        for c in ("adam", "adamw", "sgd momentum", "dreamerv3")
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
         ours_pure_chain, chain="chain(clip_by_global_norm, adamw)", engine=False

@@ -271,3 +271,81 @@ def test_a_transform_that_is_not_leafwise_packs_every_param() -> None:
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
     assert opt._layouts[0].engine.direct == []  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ pure API, plain trees
+def _plain(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": [torch.randn(s, generator=gen, dtype=dtype) for s in [(40, 30), (30, 40)]],
+        "b": [torch.randn(s, generator=gen, dtype=dtype) for s in [(30,), (40,)]],
+        "head": torch.randn(50, 24, generator=gen, dtype=dtype),
+    }
+
+
+class _Calls:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = fo.engine._kernels.Kernel.__call__
+
+        def spy(kernel: Any, *args: Any) -> Any:
+            self.count += 1
+            return original(kernel, *args)
+
+        monkeypatch.setattr(fo.engine._kernels.Kernel, "__call__", spy)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd-nesterov", "dreamerv3", "injected-adam"])
+def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fo.fused_step`` of a leafwise transform over a plain tree: each large leaf is stepped
+    by one compiled call in its own storage, the small ones together by the transform's own
+    update; three steps agree with ``update`` + ``apply_updates`` within rounding, and the
+    params and the state stay the caller's tensors (donated, written in place)."""
+    monkeypatch.setattr(fo.engine, "LEAF_MIN", 1000)
+    calls = _Calls(monkeypatch)
+    tx = LEAFWISE[name]()
+    params, ref = _plain(0), _plain(0)
+    state, ref_state = tx.init(params), tx.init(ref)
+    ptrs = [p.data_ptr() for p in tree.leaves(params)]
+    state_ptrs = [x.data_ptr() for x in tree.leaves(state) if x.ndim]
+    step = fo.fused_step(tx)
+    for k in range(3):
+        grads = _plain(10 + k)
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        params, state = step(params, grads, state)
+        extra = DREAMERV3_ELEMENTWISE_OPS + 40 * 30 + 2 if name == "dreamerv3" else 0
+        scale = [p.abs() + 1e-2 for p in tree.leaves(ref)]
+        assert_close_rounding(
+            tree.leaves(params),
+            tree.leaves(ref),
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + extra) * (k + 1) + 2,
+            scale=scale,
+        )
+    assert calls.count == 3 * 3  # the three large leaves, each step
+    assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
+    assert [x.data_ptr() for x in tree.leaves(state) if x.ndim] == state_ptrs
+
+
+def test_fused_step_over_a_plain_tree_without_large_leaves_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No leaf of LEAF_MIN elements, or a transform that is not leafwise: the donated eager
+    update and ``apply_updates``, bit for bit."""
+    calls = _Calls(monkeypatch)
+    for tx in (fo.adam(1e-2), NOT_LEAFWISE["global-norm-clip"]()):
+        monkeypatch.setattr(fo.engine, "LEAF_MIN", 10**6 if leafwise(tx) else 1000)
+        params, ref = _plain(1), _plain(1)
+        state, ref_state = tx.init(params), tx.init(ref)
+        step = fo.fused_step(tx)
+        for k in range(2):
+            grads = _plain(20 + k)
+            updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref, donate=True)
+            ref = fo.apply_updates(ref, updates, donate=True)
+            params, state = step(params, grads, state)
+        assert_bitwise(tree.leaves(params), tree.leaves(ref))
+    assert calls.count == 0
