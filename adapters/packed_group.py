@@ -334,10 +334,11 @@ class PackedGroup:
             ]
         names = [name for kind, name in self.slots if kind == "param"]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
+        device = params[self.direct[0]].device
         if isinstance(ratio, Tensor):
-            scale = ratio.detach().to(torch.float64)
+            scale = ratio.detach().to(device=device, dtype=torch.float64)
         else:
-            scale = torch.tensor(ratio, dtype=torch.float64)
+            scale = torch.tensor(ratio, dtype=torch.float64, device=device)
         for i in self.direct:
             state = [self.state_views[name][i] for name in names]
             step(grads[i], params[i], scale, *state, *given, *self.leaf_outs)

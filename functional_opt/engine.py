@@ -317,7 +317,7 @@ class _LeafByLeaf:
         ]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         outs = [torch.empty_like(x) for x in given]
-        one = torch.ones((), dtype=torch.float64)
+        one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
         for i in large:  # first: the eager update below may write the counters in place
             kernel(gs[i], ps[i], one, *[leaves[i] for leaves in per], *given, *outs)
         news = iter(outs)
