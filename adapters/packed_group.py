@@ -95,15 +95,11 @@ class PackedGroup:
         self.group = group
         self.steps = 0
         """Steps this group took here (what tests read to know the engine ran)."""
-        # few leaves (large ones, by the size rule of the optimizer): the update is added into
-        # the params inside the compiled graph, in the pass that computes it (with many leaves
-        # inductor's code for the slices was slower than one multi-tensor add after it)
-        self.apply_inside = len(params) <= APPLY_INSIDE_MAX
         self.direct: list[int] = []
         """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
         self.leaf_step: _kernels.Kernel | None = None
         """Their step, compiled (:func:`leaf_step`)."""
-        if not self.sharded and not self.apply_inside and direct_min > 0:
+        if not self.sharded and direct_min > 0:
             self.direct = direct_params(tx, params, direct_min)
             kinds = [kind for kind, _ in slots]
             fn = leaf_step(tx, optree.tree_unflatten(spec, kinds), kinds) if self.direct else None
@@ -114,6 +110,10 @@ class PackedGroup:
         taken = set(self.direct)
         self.rest = [i for i in range(len(params)) if i not in taken]
         """The params stepped together over packed buffers."""
+        # few packed params (large ones, by the size rule of the optimizer): the update is
+        # added into them inside the compiled graph, in the pass that computes it (with many
+        # leaves inductor's code for the slices was slower than one multi-tensor add after it)
+        self.apply_inside = len(self.rest) <= APPLY_INSIDE_MAX
         rest = [params[i] for i in self.rest]
         device = params[0].device
         self.layout: Layout | None = None
@@ -153,6 +153,8 @@ class PackedGroup:
         sharded group)."""
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
+        self.leaf_kernels: dict[int, Callable[..., Any]] = {}
+        """Per direct param, its compiled step once it is called without dynamo."""
         # one runner for every kind of call (its compiled steps are keyed by the call's kind)
         self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
@@ -339,9 +341,18 @@ class PackedGroup:
             scale = ratio.detach().to(device=device, dtype=torch.float64)
         else:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
+        kept = self.leaf_kernels
         for i in self.direct:
-            state = [self.state_views[name][i] for name in names]
-            step(grads[i], params[i], scale, *state, *given, *self.leaf_outs)
+            args = (grads[i], params[i], scale)
+            args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
+            kernel = kept.get(i)
+            if kernel is not None:  # (the same signature every step: the kernel kept)
+                kernel(*args)
+                continue
+            step(*args)
+            found = step.direct(*args)
+            if found is not None:
+                kept[i] = found
         news = iter([x.clone() for x in self.leaf_outs])
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -15,6 +15,7 @@ compiled; an error in the arguments (a bad shape) surfaces as the error eager co
 
 from __future__ import annotations
 
+import itertools
 import operator
 import types
 import warnings
@@ -173,13 +174,16 @@ _COMPILED: dict[_Key, _Compiled] = {}
 _FAILED: set[Callable[..., Any]] = set()
 
 
+_TWO = itertools.repeat(2)
+
+
 def _signature(fn: Callable[..., Any], args: tuple[Any, ...]) -> _Key:
+    """``fn``, and per argument its dtype, device and sizes with those above 1 as 2 (what a
+    graph compiled with dynamic sizes is specialized on), or the argument itself."""
     return (
         fn,
         *[
-            (a.dtype, a.device, *[n if n < 2 else 2 for n in a.shape])
-            if isinstance(a, Tensor)
-            else a
+            (a.dtype, a.device, *map(min, a.shape, _TWO)) if isinstance(a, Tensor) else a
             for a in args
         ],
     )
@@ -419,6 +423,17 @@ class Kernel:
 
     def _fail(self) -> None:
         self.failed = True
+
+    def direct(self, *args: Any) -> Callable[..., Any] | None:
+        """The compiled kernel for arguments like ``args`` once it is called without dynamo
+        (after its first call), else ``None``: a caller that makes many calls of one signature
+        (the same tensors each step) may keep it and call it straight, skipping the search by
+        signature. It still checks its inputs' sizes and strides (a mismatch goes back through
+        dynamo)."""
+        if self.failed:
+            return None
+        kernel = self.compiled.get(_signature(self.fn, args))
+        return kernel if kernel is not None and kernel.direct is not None else None
 
     def __call__(self, *args: Any) -> Any:
         if self.failed or torch.compiler.is_compiling():
