@@ -200,6 +200,43 @@ def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
     assert len(compiled) == 1
     assert compiled[0]._graphs == 1
     assert compiled[0].direct is not None
+    assert set(engine.leaf_kernels) == set(engine.direct)  # kept, called straight
+
+
+@pytest.mark.numerics
+def test_a_group_of_only_large_params_steps_them_all_directly() -> None:
+    """Two large params and nothing else: no packed buffers at all; the state that is not per
+    parameter (the counters) comes from the direct calls; lockstep with the per-tensor path."""
+    torch.manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30, 50))]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = MAKERS["dreamerv3"][0]
+    opt, ref = _direct(make, params), make(ref_params)
+    ref.fused_steps = False
+    for step in range(3):
+        gen = torch.Generator().manual_seed(30 + step)
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        before = [p.detach().clone() for p in ref_params]
+        for ps, o in ((params, opt), (ref_params, ref)):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+            o.step()
+        got = [p.detach() - b for p, b in zip(params, before, strict=True)]
+        want = [p.detach() - b for p, b in zip(ref_params, before, strict=True)]
+        ops = (ELEMENTWISE_OPS + DREAMERV3_ELEMENTWISE_OPS + 50 * 30 + 2) * (step + 1) + 2
+        scale = [b.abs() + 1e-2 for b in before]
+        assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+        with torch.no_grad():
+            for p, q in zip(params, ref_params, strict=True):
+                p.copy_(q)
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == [0, 1] and engine.layout is None
+    # the group-level state (the counters) as the per-tensor path has it
+    mine, theirs = opt.state_dict()["param_groups"][0], ref.state_dict()["param_groups"][0]
+    counters = [k for k, v in mine.items() if isinstance(v, dict)]
+    assert counters
+    for k in counters:
+        assert_bitwise(mine[k], theirs[k])
 
 
 def test_params_that_share_memory_are_not_stepped_directly() -> None:
