@@ -59,7 +59,8 @@ from .flat_dreamerv3 import overlapping
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 APPLY_INSIDE_MAX = 4
-"""Groups of at most this many params add the update inside the compiled graph."""
+"""At most this many packed params of a group (the direct ones aside) get the update added
+inside the compiled graph."""
 
 
 class PackedGroup:

@@ -10,7 +10,9 @@ is a norm and one elementwise kernel per buffer, with the moments updated in the
 
 The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
 injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
-changing them never recompiles. Trees that are not packed, packed trees with batch
+changing them never recompiles. (:func:`fused_step` also steps the large leaves of plain trees
+one at a time, for a transform that treats every leaf on its own: see
+:mod:`functional_opt.leaf_step`.) Trees that are not packed, packed trees with batch
 dimensions, complex buffers, buffers autograd records, calls made while already compiling,
 inside a ``torch.func`` transform, and under a ``TorchDispatchMode`` of the user's (where
 ``torch.compile`` runs no compiled code) run the transform's own update unchanged.
@@ -219,8 +221,12 @@ def fused_step(
     (``apply_updates(..., donate=True)``'s sums), so the update is never written out.
 
     ``params`` and ``grads`` are packed trees of one layout held in buffers; the params, the
-    gradients and the state are donated (written in place). Other trees run ``tx.update`` and
-    ``apply_updates`` as they are."""
+    gradients and the state are donated (written in place). Over plain trees, a fusable
+    transform that treats every leaf on its own (:func:`functional_opt.base.leafwise`) steps
+    each leaf of at least :data:`LEAF_MIN` elements alone, in its own storage, with one
+    compiled call of its update of that leaf (:mod:`functional_opt.leaf_step`; one graph for
+    every size), and the smaller leaves together with ``tx.update`` and ``apply_updates``. Other
+    trees run ``tx.update`` and ``apply_updates`` as they are."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
