@@ -57,7 +57,6 @@ from functional_opt.packed import Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
 
-_PLAIN = (Tensor, torch.nn.Parameter)
 APPLY_INSIDE_MAX = 4
 """At most this many packed params of a group (the direct ones aside) get the update added
 inside the compiled graph."""
@@ -399,7 +398,7 @@ def packable(
         return False
     device = params[0].device
     for p, g in zip(params, grads, strict=True):
-        if g is None or type(p) not in _PLAIN or type(g) not in _PLAIN:
+        if g is None or type(p) not in _lists._PLAIN or type(g) not in _lists._PLAIN:
             return False
         if p.device != device or g.dtype != p.dtype or g.device != device or g.is_sparse:
             return False

@@ -66,6 +66,18 @@ def _buffers(tree: Any) -> list[Any]:
     return list(tree.buffers) if _buffered(tree) else []
 
 
+def _compiles_here() -> bool:
+    """Whether compiled code runs where the engine is called: not while ``torch.compile`` is
+    already tracing, not under a user's ``TorchDispatchMode`` (an op or collective counter:
+    there torch.compile runs no compiled code, and with ``fullgraph`` it raises), not inside a
+    ``torch.func`` transform (vmap, grad: dynamo cannot trace the update)."""
+    return not (
+        torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode(include_infra_modes=False)
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    )
+
+
 def _donated_step(
     tx: GradientTransformation, extra: dict[str, Any]
 ) -> Callable[..., tuple[Updates, OptState]]:
@@ -138,12 +150,7 @@ class Runner:
     ) -> tuple[Updates, OptState]:
         flag = extra.get(DONATE, False)
         if (
-            torch.compiler.is_compiling()
-            # under a user's TorchDispatchMode (an op or collective counter) torch.compile runs
-            # no compiled code (fullgraph: it raises): the same transform runs eagerly
-            or is_in_torch_dispatch_mode(include_infra_modes=False)
-            # inside a torch.func transform (vmap, grad) dynamo cannot trace the update
-            or torch._C._functorch.peek_interpreter_stack() is not None
+            not _compiles_here()
             or not self.compilable
             or not _buffered(updates)
             # (inductor has no code generation for complex numbers: it would run them eagerly)
@@ -274,13 +281,7 @@ class _LeafByLeaf:
         """By the state's outline: its compiled step (``None``: a state it cannot rebuild)."""
 
     def __call__(self, params: Any, grads: Any, state: OptState) -> OptState | None:
-        if (
-            torch.compiler.is_compiling()
-            or is_in_torch_dispatch_mode(include_infra_modes=False)
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or isinstance(params, Packed)
-            or isinstance(grads, Packed)
-        ):
+        if not _compiles_here() or isinstance(params, Packed) or isinstance(grads, Packed):
             return None
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
         gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
@@ -290,6 +291,7 @@ class _LeafByLeaf:
         if not large:
             return None
         shapes = [p.shape for p in ps]
+        found: set[int] = set()  # the per-param subtrees met while flattening
 
         def per_param(node: Any) -> bool:
             if isinstance(node, Tensor) and len(ps) > 1:
@@ -297,14 +299,17 @@ class _LeafByLeaf:
             leaves, node_spec = optree.tree_flatten(
                 node, none_is_leaf=True, namespace=tree.NAMESPACE
             )
-            return node_spec == spec and all(
+            if node_spec == spec and all(
                 isinstance(x, Tensor) and x.shape == s for x, s in zip(leaves, shapes, strict=True)
-            )
+            ):
+                found.add(id(node))
+                return True
+            return False
 
         outer, outer_spec = optree.tree_flatten(
             state, is_leaf=per_param, none_is_leaf=True, namespace=tree.NAMESPACE
         )
-        kinds = ["param" if per_param(x) else ("none" if x is None else "group") for x in outer]
+        kinds = ["param" if id(x) in found else ("none" if x is None else "group") for x in outer]
         pairs = zip(outer, kinds, strict=True)
         if any(k == "group" and not isinstance(x, Tensor) for x, k in pairs):
             return None
@@ -363,7 +368,7 @@ def _steppable(ps: list[Any], gs: list[Any]) -> bool:
     for p, g in zip(ps, gs, strict=True):
         if not (isinstance(p, Tensor) and isinstance(g, Tensor)):
             return False
-        if type(p) not in _PLAIN or type(g) not in _PLAIN:
+        if type(p) not in _lists._PLAIN or type(g) not in _lists._PLAIN:
             return False
         if not p.is_floating_point() or not p.is_contiguous() or p.layout != torch.strided:
             return False
@@ -372,9 +377,6 @@ def _steppable(ps: list[Any], gs: list[Any]) -> bool:
         if grad_mode and (p.requires_grad or g.requires_grad):
             return False
     return len({p.untyped_storage().data_ptr() for p in ps}) == len(ps)
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def fused(tx: GradientTransformation) -> GradientTransformation:
