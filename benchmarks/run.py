@@ -360,7 +360,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
         f"ours: pure fused_step {c}, plain trees": functools.partial(
             ours_fused_step, chain=c, packed=False
         )
-        for c in ("adam", "adamw", "sgd momentum", "dreamerv3")
+        for c in ("adam", "adamw", "sgd momentum", "dreamerv3", "chain(clip_by_global_norm, adamw)")
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
         ours_pure_chain, chain="chain(clip_by_global_norm, adamw)", engine=False

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = [
     "ADD_MIN",
@@ -31,6 +32,7 @@ __all__ = [
     "add_in_place",
     "apply_kernel",
     "call",
+    "compiles_here",
     "compiled",
     "moments_math",
     "norm_pair",
@@ -401,6 +403,18 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     if fn in _FAILED or torch.compiler.is_compiling():
         return fn(*args)
     return _run(fn, args, lambda: compiled(fn, *args), lambda: _FAILED.add(fn))
+
+
+def compiles_here() -> bool:
+    """Whether compiled code runs where the engine is called: not while ``torch.compile`` is
+    already tracing, not under a user's ``TorchDispatchMode`` (an op or collective counter:
+    there torch.compile runs no compiled code, and with ``fullgraph`` it raises), not inside a
+    ``torch.func`` transform (vmap, grad: dynamo cannot trace the update)."""
+    return not (
+        torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode(include_infra_modes=False)
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    )
 
 
 class Kernel:

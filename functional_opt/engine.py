@@ -10,12 +10,12 @@ is a norm and one elementwise kernel per buffer, with the moments updated in the
 
 The graph is traced once per layout of the packed trees and set of keywords; hyperparameters
 injected as tensors (``inject_hyperparams``) and the step counters are inputs of the graph, so
-changing them never recompiles. (:func:`fused_step` also steps the large leaves of plain trees
-one at a time, for a transform that treats every leaf on its own: see
-:mod:`functional_opt.leaf_step`.) Trees that are not packed, packed trees with batch
-dimensions, complex buffers, buffers autograd records, calls made while already compiling,
-inside a ``torch.func`` transform, and under a ``TorchDispatchMode`` of the user's (where
-``torch.compile`` runs no compiled code) run the transform's own update unchanged.
+changing them never recompiles. (:func:`fused_step` also steps plain trees: their large leaves
+one at a time, for a transform that treats every leaf on its own, and the others staged through
+packed buffers; see :mod:`functional_opt.plain_trees`.) Trees that are not packed, packed trees
+with batch dimensions, complex buffers, buffers autograd records, calls made while already
+compiling, inside a ``torch.func`` transform, and under a ``TorchDispatchMode`` of the user's
+(where ``torch.compile`` runs no compiled code) run the transform's own update unchanged.
 Within :func:`functional_opt._lists.sharded_reductions` (``TransformOptimizer``'s engine on
 FSDP2 shards) the graphs are compiled apart, their reductions summed over the group's ranks.
 If compiling fails (before any of the compiled code ran) the update runs eagerly, with a
@@ -27,12 +27,9 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import optree
 import torch
-from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from functional_opt import _kernels, _lists, tree
 from functional_opt.base import (
@@ -48,12 +45,11 @@ from functional_opt.base import (
     extra_keywords,
     fusable,
     inner_step_size,
-    leafwise,
     staged,
     stages,
 )
-from functional_opt.leaf_step import GIVEN, leaf_step
 from functional_opt.packed import Packed
+from functional_opt.plain_trees import PlainTreeStep
 
 __all__ = ["Runner", "fused", "fused_step"]
 
@@ -64,18 +60,6 @@ def _buffered(x: Any) -> bool:
 
 def _buffers(tree: Any) -> list[Any]:
     return list(tree.buffers) if _buffered(tree) else []
-
-
-def _compiles_here() -> bool:
-    """Whether compiled code runs where the engine is called: not while ``torch.compile`` is
-    already tracing, not under a user's ``TorchDispatchMode`` (an op or collective counter:
-    there torch.compile runs no compiled code, and with ``fullgraph`` it raises), not inside a
-    ``torch.func`` transform (vmap, grad: dynamo cannot trace the update)."""
-    return not (
-        torch.compiler.is_compiling()
-        or is_in_torch_dispatch_mode(include_infra_modes=False)
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    )
 
 
 def _donated_step(
@@ -150,7 +134,7 @@ class Runner:
     ) -> tuple[Updates, OptState]:
         flag = extra.get(DONATE, False)
         if (
-            not _compiles_here()
+            not _kernels.compiles_here()
             or not self.compilable
             or not _buffered(updates)
             # (inductor has no code generation for complex numbers: it would run them eagerly)
@@ -228,21 +212,24 @@ def fused_step(
     (``apply_updates(..., donate=True)``'s sums), so the update is never written out.
 
     ``params`` and ``grads`` are packed trees of one layout held in buffers; the params, the
-    gradients and the state are donated (written in place). Over plain trees, a fusable
+    gradients and the state are donated (written in place). Over plain trees of a fusable
+    transform (:mod:`functional_opt.plain_trees`) the params are stepped in place too: a
     transform that treats every leaf on its own (:func:`functional_opt.base.leafwise`) steps
-    each leaf of at least :data:`LEAF_MIN` elements alone, in its own storage, with one
-    compiled call of its update of that leaf (:mod:`functional_opt.leaf_step`; one graph for
-    every size), and the smaller leaves together with ``tx.update`` and ``apply_updates``. Other
-    trees run ``tx.update`` and ``apply_updates`` as they are."""
+    each leaf of at least :data:`functional_opt.plain_trees.LEAF_MIN` elements alone, in its
+    own storage, with one compiled call of its update of that leaf
+    (:mod:`functional_opt.leaf_step`), and the other leaves are staged: copied into packed
+    buffers, stepped by the compiled graph, and the params copied back; the returned state
+    holds the staged leaves' entries as views of buffers the next step reuses. Other trees run
+    ``tx.update`` and ``apply_updates`` as they are."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
-    by_leaf = _LeafByLeaf(tx) if leafwise(tx) and fusable(tx) else None
+    plain = PlainTreeStep(tx, runner) if fusable(tx) else None
 
     def step(params: Packed, grads: Packed, state: OptState) -> tuple[Packed, OptState]:
         buffers = params.buffers if _buffered(params) else None
-        if buffers is None and by_leaf is not None:
-            new_state = by_leaf(params, grads, state)
+        if buffers is None and plain is not None:
+            new_state = plain(params, grads, state)
             if new_state is not None:
                 return params, new_state
         if (
@@ -257,126 +244,6 @@ def fused_step(
         return params, state
 
     return step
-
-
-LEAF_MIN = 1 << 15
-"""In :func:`fused_step` over a plain tree of a leafwise transform, leaves of at least this many
-elements are stepped one at a time by a compiled call; the others together, eagerly (a call's
-dispatch, 10-40 us, costs more than the eager ops over a small leaf)."""
-
-
-class _LeafByLeaf:
-    """:func:`fused_step` over plain trees of a leafwise transform: each leaf of at least
-    :data:`LEAF_MIN` elements stepped alone by one compiled call
-    (:func:`functional_opt.leaf_step.leaf_step`), in its own storage; the smaller ones as one
-    list by the transform's own donated update and ``apply_updates``. ``by_leaf(params, grads,
-    state)`` returns the new state, or ``None`` where it does not apply (then the whole step
-    runs eagerly): no leaf that large, packed or mismatched trees, leaves that are not
-    contiguous floating-point tensors with storages of their own, state it cannot split into
-    per-param subtrees, and wherever the engine does not compile (see :class:`Runner`)."""
-
-    def __init__(self, tx: GradientTransformation) -> None:
-        self.tx = tx
-        self.kernels: dict[Any, _kernels.Kernel | None] = {}
-        """By the state's outline: its compiled step (``None``: a state it cannot rebuild)."""
-
-    def __call__(self, params: Any, grads: Any, state: OptState) -> OptState | None:
-        if not _compiles_here() or isinstance(params, Packed) or isinstance(grads, Packed):
-            return None
-        ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
-        gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
-        if grad_spec != spec or not _steppable(ps, gs):
-            return None
-        large = [i for i, p in enumerate(ps) if p.numel() >= LEAF_MIN]
-        if not large:
-            return None
-        shapes = [p.shape for p in ps]
-        found: set[int] = set()  # the per-param subtrees met while flattening
-
-        def per_param(node: Any) -> bool:
-            if isinstance(node, Tensor) and len(ps) > 1:
-                return False
-            leaves, node_spec = optree.tree_flatten(
-                node, none_is_leaf=True, namespace=tree.NAMESPACE
-            )
-            if node_spec == spec and all(
-                isinstance(x, Tensor) and x.shape == s for x, s in zip(leaves, shapes, strict=True)
-            ):
-                found.add(id(node))
-                return True
-            return False
-
-        outer, outer_spec = optree.tree_flatten(
-            state, is_leaf=per_param, none_is_leaf=True, namespace=tree.NAMESPACE
-        )
-        kinds = ["param" if id(x) in found else ("none" if x is None else "group") for x in outer]
-        pairs = zip(outer, kinds, strict=True)
-        if any(k == "group" and not isinstance(x, Tensor) for x, k in pairs):
-            return None
-        outline = optree.tree_unflatten(outer_spec, kinds)
-        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds)
-        if key not in self.kernels:
-            fn = leaf_step(self.tx, outline, kinds)
-            self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
-        kernel = self.kernels[key]
-        if kernel is None:
-            return None
-        per = [
-            optree.tree_leaves(x, none_is_leaf=True, namespace=tree.NAMESPACE)
-            for x, k in zip(outer, kinds, strict=True)
-            if k == "param"
-        ]
-        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
-        outs = [torch.empty_like(x) for x in given]
-        one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
-        for i in large:  # first: the eager update below may write the counters in place
-            kernel(gs[i], ps[i], one, *[leaves[i] for leaves in per], *given, *outs)
-        news = iter(outs)
-        new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
-        taken = set(large)
-        small = [i for i in range(len(ps)) if i not in taken]
-        if small:  # together, as one list: the transform's own (eager) update
-            lists = iter([[leaves[i] for i in small] for leaves in per])
-            sub = [next(lists) if k == "param" else x for x, k in zip(outer, kinds, strict=True)]
-            updates, new_sub = self.tx.update(
-                [gs[i] for i in small],
-                optree.tree_unflatten(outer_spec, sub),
-                [ps[i] for i in small],
-                donate=True,
-            )
-            apply_updates([ps[i] for i in small], updates, donate=True)
-            flat_sub = outer_spec.flatten_up_to(new_sub)
-            written = iter(per)
-            for sub_state, k in zip(flat_sub, kinds, strict=True):
-                new_entries = cast(list[Tensor], sub_state)
-                if k == "param":  # the small leaves' new state into the caller's tensors
-                    leaves = next(written)
-                    olds: list[Tensor] = [leaves[i] for i in small]
-                    moved: list[tuple[Tensor, Tensor]] = [
-                        (o, n) for o, n in zip(olds, new_entries, strict=True) if o is not n
-                    ]
-                    if moved:
-                        torch._foreach_copy_([o for o, _ in moved], [n for _, n in moved])
-        return optree.tree_unflatten(outer_spec, new_outer)
-
-
-def _steppable(ps: list[Any], gs: list[Any]) -> bool:
-    """Whether plain-tree leaves can be stepped one by one in place: floating-point tensors,
-    contiguous, each param with a storage of its own, each gradient of its param's shape,
-    dtype and device, nothing that autograd would record."""
-    grad_mode = torch.is_grad_enabled()
-    for p, g in zip(ps, gs, strict=True):
-        if not (isinstance(p, Tensor) and isinstance(g, Tensor)):
-            return False
-        if type(p) not in _lists._PLAIN or type(g) not in _lists._PLAIN:
-            return False
-        if not p.is_floating_point() or not p.is_contiguous() or p.layout != torch.strided:
-            return False
-        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-            return False
-        if grad_mode and (p.requires_grad or g.requires_grad):
-            return False
-    return len({p.untyped_storage().data_ptr() for p in ps}) == len(ps)
 
 
 def fused(tx: GradientTransformation) -> GradientTransformation:

@@ -22,6 +22,7 @@ from conftest import (
     assert_bitwise,
     assert_close_rounding,
 )
+from torch import Tensor
 
 import functional_opt as fo
 from functional_opt import tree
@@ -338,17 +339,19 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``fo.fused_step`` of a leafwise transform over a plain tree: each large leaf is stepped
-    by one compiled call in its own storage, the small ones together by the transform's own
-    update; three steps agree with ``update`` + ``apply_updates`` within rounding, and the
-    params and the state stay the caller's tensors (donated, written in place)."""
-    monkeypatch.setattr(fo.engine, "LEAF_MIN", 1000)
+    by one compiled call in its own storage, the small ones staged through packed buffers; three
+    steps agree with ``update`` + ``apply_updates`` within rounding. The params stay the caller's
+    tensors (donated, written in place), so does the large leaves' state; the small leaves'
+    state moves into the step's buffers once and stays there."""
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
     calls = _Calls(monkeypatch)
     tx = LEAFWISE[name]()
     params, ref = _plain(0), _plain(0)
     state, ref_state = tx.init(params), tx.init(ref)
     ptrs = [p.data_ptr() for p in tree.leaves(params)]
-    state_ptrs = [x.data_ptr() for x in tree.leaves(state) if x.ndim]
+    large_state = [x.data_ptr() for x in tree.leaves(state) if x.numel() >= 1000]
     step = fo.fused_step(tx)
+    state_ptrs: list[int] = []
     for k in range(3):
         grads = _plain(10 + k)
         updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
@@ -363,26 +366,130 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
             ops=(ELEMENTWISE_OPS + extra) * (k + 1) + 2,
             scale=scale,
         )
+        if k == 0:
+            state_ptrs = [x.data_ptr() for x in tree.leaves(state) if x.ndim]
     assert calls.count == 3 * 3  # the three large leaves, each step
     assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
+    assert [x.data_ptr() for x in tree.leaves(state) if x.numel() >= 1000] == large_state
     assert [x.data_ptr() for x in tree.leaves(state) if x.ndim] == state_ptrs
 
 
-def test_fused_step_over_a_plain_tree_without_large_leaves_runs_eagerly(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["adam", "global-norm-clip"])
+def test_fused_step_over_a_plain_tree_stages_every_leaf_without_a_large_one(
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No leaf of LEAF_MIN elements, or a transform that is not leafwise: the donated eager
-    update and ``apply_updates``, bit for bit."""
+    """No leaf of LEAF_MIN elements, or a transform that is not leafwise: every leaf is staged
+    (no per-leaf kernel), the params are stepped in their own storage and agree with the donated
+    eager update and ``apply_updates`` within rounding; from the second step on the state's
+    leaves are the same views, not copied again."""
     calls = _Calls(monkeypatch)
-    for tx in (fo.adam(1e-2), NOT_LEAFWISE["global-norm-clip"]()):
-        monkeypatch.setattr(fo.engine, "LEAF_MIN", 10**6 if leafwise(tx) else 1000)
-        params, ref = _plain(1), _plain(1)
-        state, ref_state = tx.init(params), tx.init(ref)
-        step = fo.fused_step(tx)
-        for k in range(2):
-            grads = _plain(20 + k)
-            updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref, donate=True)
-            ref = fo.apply_updates(ref, updates, donate=True)
-            params, state = step(params, grads, state)
-        assert_bitwise(tree.leaves(params), tree.leaves(ref))
+    tx = {**LEAFWISE, **NOT_LEAFWISE}[name]()
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 10**6 if leafwise(tx) else 1000)
+    params, ref = _plain(1), _plain(1)
+    state, ref_state = tx.init(params), tx.init(ref)
+    ptrs = [p.data_ptr() for p in tree.leaves(params)]
+    step = fo.fused_step(tx)
+    seen: list[list[Tensor]] = []
+    for k in range(3):
+        grads = _plain(20 + k)
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref, donate=True)
+        ref = fo.apply_updates(ref, updates, donate=True)
+        params, state = step(params, grads, state)
+        seen.append([x for x in tree.leaves(state) if x.ndim])
+        assert_close_rounding(
+            tree.leaves(params),
+            tree.leaves(ref),
+            dtype=torch.float32,
+            ops=ELEMENTWISE_OPS * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
+        )
+        assert_close_rounding(
+            [x for x in tree.leaves(state) if x.ndim],
+            [x for x in tree.leaves(ref_state) if x.ndim],
+            dtype=torch.float32,
+            ops=ELEMENTWISE_OPS * (k + 1),
+        )
     assert calls.count == 0
+    assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
+    assert all(a is b for a, b in zip(seen[1], seen[2], strict=True))
+    assert all(a is b for a, b in zip(seen[0], seen[1], strict=True))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", sorted(NOT_LEAFWISE))
+def test_fused_step_stages_a_transform_that_is_not_leafwise(name: str) -> None:
+    """A fusable transform that is not leafwise (a global norm, a mask over the tree, a guard,
+    mini-steps) over a plain tree: every leaf staged in the tree's own structure (a mask sees
+    it), four steps within rounding of the eager update, a non-finite gradient skipped as the
+    eager guard skips it."""
+    tx = NOT_LEAFWISE[name]()
+    params, ref = _leaves(0), _leaves(0)
+    state, ref_state = tx.init(params), tx.init(ref)
+    ptrs = [p.data_ptr() for p in params]
+    step = fo.fused_step(tx)
+    for k in range(4):
+        grads = _leaves(30 + k)
+        if k == 2:
+            grads[1][3] = float("nan")
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        params, state = step(params, grads, state)
+        assert_close_rounding(
+            params,
+            ref,
+            dtype=torch.float64,
+            ops=ELEMENTWISE_OPS * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in ref],
+        )
+    assert [p.data_ptr() for p in params] == ptrs
+    staged = [x for x in tree.leaves(state) if isinstance(x, Tensor) and x.ndim]
+    assert staged and all(x._base is not None for x in staged)  # views of the step's buffers
+
+
+def test_fused_step_copies_in_a_state_it_did_not_make() -> None:
+    """A state whose leaves are not the step's views (a copy, a state loaded from a checkpoint)
+    is copied into the step's buffers: the result is the same as with the step's own."""
+    tx = fo.adam(1e-2)
+    a, b = _plain(2), _plain(2)
+    sa, sb = tx.init(a), tx.init(b)
+    step_a, step_b = fo.fused_step(tx), fo.fused_step(tx)
+    for k in range(3):
+        grads = _plain(40 + k)
+        a, sa = step_a(a, copy.deepcopy(grads), sa)
+        b, sb = step_b(b, grads, copy.deepcopy(sb))  # never the views it returned
+    assert_bitwise(tree.leaves(b), tree.leaves(a))
+    assert_bitwise(tree.leaves(sb), tree.leaves(sa))
+
+
+def test_fused_step_stages_leaves_of_several_dtypes() -> None:
+    """float32 and bfloat16 leaves in one plain tree: one staging buffer each, results as the
+    eager donated step gives them within each dtype's rounding."""
+    tx = fo.adam(1e-2)
+
+    def tree_of(seed: int) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return {
+            "a": torch.randn(6, 5, generator=gen),
+            "b": torch.randn(7, generator=gen).to(torch.bfloat16),
+            "c": torch.randn(3, generator=gen),
+        }
+
+    params, ref = tree_of(3), tree_of(3)
+    state, ref_state = tx.init(params), tx.init(ref)
+    step = fo.fused_step(tx)
+    for k in range(3):
+        grads = tree_of(50 + k)
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref, donate=True)
+        ref = fo.apply_updates(ref, updates, donate=True)
+        params, state = step(params, grads, state)
+    for key in params:
+        dtype = params[key].dtype
+        assert params[key].dtype == ref[key].dtype
+        assert_close_rounding(
+            [params[key].double()],
+            [ref[key].double()],
+            dtype=dtype,
+            ops=ELEMENTWISE_OPS * 3 + 2,
+            scale=[ref[key].double().abs() + 1e-2],
+        )
