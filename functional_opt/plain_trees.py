@@ -48,19 +48,21 @@ are staged (a compiled call's dispatch, 10-40 us, costs more than copying a smal
 
 
 class _Staging:
-    """Packed buffers for the staged leaves of one layout: the gradients' and the params' (copied
-    in and out every step), and per per-parameter state entry the buffers the returned state's
-    leaves are views of."""
+    """Packed buffers for the staged leaves of one layout: the gradients' (copied in every step,
+    then overwritten with the update), the params' (copied in every step, only for a transform
+    that reads them), and per per-parameter state entry the buffers the returned state's leaves
+    are views of."""
 
-    def __init__(self, key: tuple[Any, ...], params: Packed, grads: Packed) -> None:
+    def __init__(self, key: tuple[Any, ...], grads: Packed) -> None:
         self.key = key
-        assert params.layout is not None and params.buffers is not None
-        assert grads.buffers is not None
-        self.layout: Layout = params.layout
-        self.params = list(params.buffers)
+        assert grads.layout is not None and grads.buffers is not None
+        self.layout: Layout = grads.layout.prepare()
         self.grads = list(grads.buffers)
-        self.param_views = cast(list[Tensor], self.layout.views(self.params))
         self.grad_views = cast(list[Tensor], self.layout.views(self.grads))
+        self.grad_plan = _Gather(self.layout, self.grads)
+        self.params: list[Tensor] | None = None
+        self.param_plan: _Gather | None = None
+        self.probed = False
         self.states: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         """By position among the per-parameter state entries: (buffers, leaf views)."""
 
@@ -78,6 +80,74 @@ class _Staging:
         self.states[j] = buffers, cast(list[Tensor], self.layout.views(buffers))
         return buffers, False
 
+    def read_params(self) -> None:
+        """Keep a buffer of the params' values (for a transform that reads them)."""
+        self.params = [torch.empty_like(b) for b in self.grads]
+        self.param_plan = _Gather(self.layout, self.params)
+
+
+class _Gather:
+    """How leaves are copied into a layout's buffers: each run of leaves of one shape with one
+    ``torch.cat`` into its stretch of the buffer, the others with one ``torch._foreach_copy_``
+    into their views (a per-tensor copy's dispatch, about 1.5 us, dominates small leaves)."""
+
+    def __init__(self, layout: Layout, buffers: list[Tensor]) -> None:
+        self.cats: list[tuple[slice | list[int], Tensor]] = []
+        self.rest: list[int] = []
+        shapes = layout.shapes
+        for b, members in enumerate(layout.leaves_by_run()):
+            for (start, count, size), where in zip(layout.runs(b), members, strict=True):
+                ids = (
+                    list(range(where.start, where.stop))
+                    if isinstance(where, slice)
+                    else [int(k) for k in where]
+                )
+                first = shapes[ids[0]]
+                assert first is not None
+                if first.numel() and len(first) and all(shapes[i] == first for i in ids):
+                    out = buffers[b][start : start + count * size].view(
+                        count * first[0], *first[1:]
+                    )
+                    self.cats.append((where if isinstance(where, slice) else ids, out))
+                else:
+                    self.rest.extend(ids)
+        views = layout.views(buffers)
+        self.views = [cast(Tensor, views[i]) for i in self.rest]
+
+    def __call__(self, leaves: list[Tensor]) -> None:
+        for where, out in self.cats:
+            members = leaves[where] if isinstance(where, slice) else [leaves[i] for i in where]
+            torch.cat(members, out=out)
+        if self.rest:
+            torch._foreach_copy_(self.views, [leaves[i] for i in self.rest])
+
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _Facts:
+    """The params of a step: the tensors and their addresses (to know them again), shapes,
+    dtypes and devices, which are stepped directly (``large``) and which staged."""
+
+    def __init__(self, ps: list[Tensor], leafwise: bool) -> None:
+        self.params = ps
+        self.pointers = list(map(Tensor.data_ptr, ps))
+        self.shapes = list(map(Tensor.size, ps))
+        self.dtypes = list(map(_DTYPE, ps))
+        self.devices = list(map(_DEVICE, ps))
+        min_numel = LEAF_MIN
+        self.large = (
+            [i for i, s in enumerate(self.shapes) if s.numel() >= min_numel] if leafwise else []
+        )
+        taken = set(self.large)
+        self.staged = [i for i in range(len(ps)) if i not in taken]
+        self.key = (
+            tuple((self.shapes[i], self.dtypes[i], self.devices[i]) for i in self.staged),
+            tuple(self.staged),
+        )
+
 
 class PlainTreeStep:
     """``fused_step``'s step over plain trees for a fusable ``tx`` (see the module):
@@ -93,36 +163,31 @@ class PlainTreeStep:
         """By the state's outline: its compiled step of one leaf (``None``: a state it cannot
         rebuild)."""
         self.staging: _Staging | None = None
-        self.known: tuple[list[Tensor], list[int]] | None = None
-        """The params last found steppable, and their data pointers."""
+        self.known: _Facts | None = None
+        """The params last found steppable."""
+        self.seen: dict[int, tuple[Any, list[Any]]] = {}
+        """The state's per-parameter subtrees found last step, by id: (node, leaves)."""
 
     def __call__(self, params: Any, grads: Any, state: OptState) -> OptState | None:
         if not _kernels.compiles_here() or isinstance(params, Packed) or isinstance(grads, Packed):
             return None
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
         gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
-        if not ps or grad_spec != spec or not self._steppable(ps, gs):
+        if not ps or grad_spec != spec:
             return None
-        shapes = [p.shape for p in ps]
-        split = _per_param(state, spec, params, shapes)
+        facts = self._facts(ps, gs)
+        if facts is None:
+            return None
+        split = _per_param(state, spec, params, facts.shapes, self.seen)
         if split is None:
             return None
-        outer, outer_spec, kinds = split
-        per = [
-            optree.tree_leaves(x, none_is_leaf=True, namespace=tree.NAMESPACE)
-            for x, k in zip(outer, kinds, strict=True)
-            if k == "param"
-        ]
-        large = [i for i, s in enumerate(shapes) if s.numel() >= LEAF_MIN] if self.leafwise else []
+        outer, outer_spec, kinds, per, self.seen = split
+        large, staged = facts.large, facts.staged
         kernel = self._kernel(outer_spec, kinds) if large else None
         if large and kernel is None:
             return None
-        if large and not all(gs[i].is_contiguous() for i in large):
-            return None
-        taken = set(large)
-        staged = [i for i in range(len(ps)) if i not in taken]
         # everything that can refuse comes before anything is written
-        prepared = self._prepare(ps, gs, spec, staged, per) if staged else None
+        prepared = self._prepare(gs, spec, facts, per) if staged else None
         new_outer = list(outer)
         if large:
             assert kernel is not None
@@ -144,34 +209,38 @@ class PlainTreeStep:
                     new_outer[n] = x
         return optree.tree_unflatten(outer_spec, new_outer)
 
-    def _steppable(self, ps: list[Any], gs: list[Any]) -> bool:
-        """Whether the leaves can be stepped here: plain floating-point tensors, each param with
-        a storage of its own, each gradient of its param's shape, dtype and device, nothing that
-        autograd would record. The params' own checks are skipped when they are the tensors
-        last found steppable, at the same addresses."""
-        known = self.known
+    def _facts(self, ps: list[Any], gs: list[Any]) -> _Facts | None:
+        """What the step needs to know of the params (made once for the same tensors at the
+        same addresses), or ``None`` where the leaves cannot be stepped here: leaves that are
+        not plain floating-point tensors, params that share a storage, a gradient not of its
+        param's shape, dtype and device, anything autograd would record."""
+        facts = self.known
         if not (
-            known is not None
-            and len(known[0]) == len(ps)
-            and all(map(operator.is_, ps, known[0]))
-            and list(map(Tensor.data_ptr, ps)) == known[1]
+            facts is not None
+            and len(facts.params) == len(ps)
+            and all(map(operator.is_, ps, facts.params))
+            and list(map(Tensor.data_ptr, ps)) == facts.pointers
         ):
             if not set(map(type, ps)) <= _lists._PLAIN:
-                return False
+                return None
             if not all(p.is_floating_point() and p.layout == torch.strided for p in ps):
-                return False
+                return None
             if len({p.untyped_storage().data_ptr() for p in ps}) != len(ps):
-                return False
-            self.known = ps, list(map(Tensor.data_ptr, ps))
+                return None
+            facts = self.known = _Facts(ps, self.leafwise)
         if not set(map(type, gs)) <= _lists._PLAIN:
-            return False
-        if list(map(Tensor.size, gs)) != list(map(Tensor.size, ps)):
-            return False
-        if [g.dtype for g in gs] != [p.dtype for p in ps]:
-            return False
-        if [g.device for g in gs] != [p.device for p in ps]:
-            return False
-        return not (torch.is_grad_enabled() and any(x.requires_grad for x in (*ps, *gs)))
+            return None
+        if list(map(Tensor.size, gs)) != facts.shapes:
+            return None
+        if list(map(_DTYPE, gs)) != facts.dtypes or list(map(_DEVICE, gs)) != facts.devices:
+            return None
+        if torch.is_grad_enabled() and (
+            any(map(_REQUIRES_GRAD, ps)) or any(map(_REQUIRES_GRAD, gs))
+        ):
+            return None
+        if not all(gs[i].is_contiguous() for i in facts.large):
+            return None  # (a large leaf's gradient is read in place)
+        return facts
 
     def _kernel(self, outer_spec: Any, kinds: list[str]) -> _kernels.Kernel | None:
         outline = optree.tree_unflatten(outer_spec, kinds)
@@ -182,24 +251,20 @@ class PlainTreeStep:
         return self.kernels[key]
 
     def _prepare(
-        self, ps: list[Tensor], gs: list[Tensor], spec: Any, staged: list[int], per: list[list[Any]]
+        self, gs: list[Tensor], spec: Any, facts: _Facts, per: list[list[Any]]
     ) -> tuple[_Staging, list[tuple[list[Tensor], bool]]] | None:
-        """The staging buffers for ``staged`` (made for a new layout), and each per-parameter
-        state entry's buffers (moved into buffers where they are not views of them already)."""
-        everything = len(staged) == len(ps)
-        key = (
-            spec if everything else tuple(staged),
-            tuple(ps[i].shape for i in staged),
-            tuple(ps[i].dtype for i in staged),
-            tuple(ps[i].device for i in staged),
-        )
+        """The staging buffers for the staged leaves (made for a new layout), and each
+        per-parameter state entry's buffers (moved into buffers where they are not views of
+        them already)."""
+        staged = facts.staged
+        everything = len(staged) == len(gs)
+        key = (spec if everything else None, facts.key)
         staging = self.staging
         if staging is None or staging.key != key:
-            if everything:  # the user's structure: a transform that reads it sees it
-                p_tree, g_tree = tree.unflatten(spec, ps), tree.unflatten(spec, gs)
-            else:  # a leafwise transform reads no structure
-                p_tree, g_tree = [ps[i] for i in staged], [gs[i] for i in staged]
-            staging = self.staging = _Staging(key, pack(p_tree), pack(g_tree))
+            # everything: the user's structure, which a transform may read (a mask); else the
+            # staged leaves as a list (a leafwise transform reads no structure)
+            g_tree = tree.unflatten(spec, gs) if everything else [gs[i] for i in staged]
+            staging = self.staging = _Staging(key, pack(g_tree))
         try:
             states = [staging.state(j, [leaves[i] for i in staged]) for j, leaves in enumerate(per)]
         except ValueError:  # state leaves of several dtypes where one buffer holds them
@@ -220,29 +285,46 @@ class PlainTreeStep:
         state's entries (per-parameter ones as packed trees)."""
         staging, states = prepared
         layout = staging.layout
-        torch._foreach_copy_(staging.grad_views, [gs[i] for i in staged])
-        torch._foreach_copy_(staging.param_views, [ps[i] for i in staged])
+        staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
+        staging.grad_plan(gs if len(staged) == len(gs) else [gs[i] for i in staged])
         buffers = iter(states)
-        sub = [
-            Packed(layout, buffers=next(buffers)[0]) if k == "param" else x
-            for x, k in zip(outer, kinds, strict=True)
-        ]
-        _, new_sub = self.runner(
-            Packed(layout, buffers=staging.grads),
-            optree.tree_unflatten(outer_spec, sub),
-            Packed(layout, buffers=staging.params),
-            {DONATE: True},
-            list(staging.params),
-            True,
+        sub = optree.tree_unflatten(
+            outer_spec,
+            [
+                Packed(layout, buffers=next(buffers)[0]) if k == "param" else x
+                for x, k in zip(outer, kinds, strict=True)
+            ],
         )
-        torch._foreach_copy_([ps[i] for i in staged], staging.param_views)
+        grads = Packed(layout, buffers=staging.grads)
+        if not staging.probed:
+            staging.probed = True
+            try:  # (pure: the state is not written)
+                self.tx.update(grads, sub, None)
+            except (ValueError, TypeError):
+                staging.read_params()
+        if staging.params is not None:
+            assert staging.param_plan is not None
+            staging.param_plan(staged_ps)
+            given = Packed(layout, buffers=staging.params)
+        else:  # a loose tree: copied into a buffer only if the transform reads it after all
+            given = Packed(layout.structure, tree=layout.structure.rebuild(staged_ps))
+        updates, new_sub = self.runner(grads, sub, given, {DONATE: True})
+        if isinstance(updates, Packed) and updates.buffers is not None:
+            if all(map(operator.is_, updates.buffers, staging.grads)):
+                views = staging.grad_views
+            else:
+                assert updates.layout is not None
+                views = cast(list[Tensor], updates.layout.views(list(updates.buffers)))
+        else:
+            views = tree.leaves(updates.tree if isinstance(updates, Packed) else updates)
+        torch._foreach_add_(staged_ps, views)
         new_entries = outer_spec.flatten_up_to(new_sub)
         positions = iter(range(len(states)))
         for n, k in enumerate(kinds):
             if k != "param":
                 continue
             j = next(positions)
-            held, views = staging.states[j]
+            held, state_views = staging.states[j]
             new = new_entries[n]
             got = new.buffers if isinstance(new, Packed) else None
             if got is not None and tree._same_layout(new.layout, layout):
@@ -251,8 +333,8 @@ class PlainTreeStep:
                         b.copy_(x)
             else:  # (a transform that returned its state entry another way)
                 values = new.tree if isinstance(new, Packed) else new
-                torch._foreach_copy_(views, tree.leaves(values))
-            new_entries[n] = views
+                torch._foreach_copy_(state_views, tree.leaves(values))
+            new_entries[n] = state_views
         return cast(list[Any], new_entries)
 
     def _merged(
@@ -277,13 +359,19 @@ class PlainTreeStep:
 
 
 def _per_param(
-    state: OptState, spec: Any, params: Any, shapes: list[torch.Size]
-) -> tuple[list[Any], Any, list[str]] | None:
+    state: OptState,
+    spec: Any,
+    params: Any,
+    shapes: list[torch.Size],
+    seen: dict[int, tuple[Any, list[Any]]],
+) -> tuple[list[Any], Any, list[str], list[list[Any]], dict[int, tuple[Any, list[Any]]]] | None:
     """``state`` split into its per-parameter subtrees (each of the params' structure, leaves of
-    their shapes) and its other leaves: ``(entries, structure, kinds)`` with kinds ``"param"``,
-    ``"none"`` or ``"group"`` (a tensor not per parameter: a counter). ``None`` where another
-    leaf is not a tensor."""
-    found: set[int] = set()
+    their shapes) and its other leaves: ``(entries, structure, kinds, per, found)`` with kinds
+    ``"param"``, ``"none"`` or ``"group"`` (a tensor not per parameter: a counter), ``per`` the
+    leaves of each per-parameter subtree, and ``found`` those subtrees by id (``seen`` on the
+    next call: a subtree found then, with the same leaves, needs no look at their shapes).
+    ``None`` where another leaf is not a tensor."""
+    found: dict[int, tuple[Any, list[Any]]] = {}
     root = type(params)
     single = len(shapes) == 1
 
@@ -294,12 +382,17 @@ def _per_param(
         elif type(node) is not root:  # (cheap: most nodes are not of the params' container)
             return False
         leaves, node_spec = optree.tree_flatten(node, none_is_leaf=True, namespace=tree.NAMESPACE)
-        if node_spec == spec and all(
+        if node_spec != spec:
+            return False
+        known = seen.get(id(node))
+        if not (
+            known is not None and known[0] is node and all(map(operator.is_, leaves, known[1]))
+        ) and not all(
             isinstance(x, Tensor) and x.shape == s for x, s in zip(leaves, shapes, strict=True)
         ):
-            found.add(id(node))
-            return True
-        return False
+            return False
+        found[id(node)] = node, leaves
+        return True
 
     outer, outer_spec = optree.tree_flatten(
         state, is_leaf=per_param, none_is_leaf=True, namespace=tree.NAMESPACE
@@ -307,4 +400,5 @@ def _per_param(
     kinds = ["param" if id(x) in found else ("none" if x is None else "group") for x in outer]
     if any(k == "group" and not isinstance(x, Tensor) for x, k in zip(outer, kinds, strict=True)):
         return None
-    return outer, outer_spec, kinds
+    per = [found[id(x)][1] for x, k in zip(outer, kinds, strict=True) if k == "param"]
+    return outer, outer_spec, kinds, per, found
