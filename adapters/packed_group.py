@@ -115,6 +115,9 @@ class PackedGroup:
         # leaves inductor's code for the slices was slower than one multi-tensor add after it)
         self.apply_inside = len(self.rest) <= APPLY_INSIDE_MAX
         rest = [params[i] for i in self.rest]
+        self.fused_add = not self.sharded and _lists.fused_add_ok(rest)
+        """Whether the packed params may take :func:`functional_opt._lists.add_into`'s fused
+        route (where they are contiguous, checked each step)."""
         device = params[0].device
         self.layout: Layout | None = None
         self.grads: list[Tensor] = []
@@ -257,20 +260,26 @@ class PackedGroup:
                 self.scratch = [torch.empty_like(b) for b in self.grads]
                 self.scratch_views = layout.views(self.scratch)  # type: ignore[assignment]
             _, new_state = self._run(updates, state, given, donate, self.scratch, True, True)
-            _add(params, self.scratch_views, ratio)
+            _add(params, self.scratch_views, ratio, self._fused(params))
             return new_state
         new_updates, new_state = self._run(updates, state, given, donate)
+        fused = False
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
-                views = grad_views
+                views, fused = grad_views, self._fused(params)
             else:
                 views = layout.views(list(new_updates.buffers))
         else:
             views = tree.leaves(
                 new_updates.tree if isinstance(new_updates, Packed) else new_updates
             )
-        _add(params, views, ratio)  # type: ignore[arg-type]
+        _add(params, views, ratio, fused)  # type: ignore[arg-type]
         return new_state
+
+    def _fused(self, params: list[Tensor]) -> bool:
+        """Whether ``p += u`` may take the fused multi-tensor route into the buffers' views
+        (checked each step: an in-place transpose keeps a param's address)."""
+        return self.fused_add and all(map(Tensor.is_contiguous, params))
 
     def _run(
         self,
@@ -373,12 +382,15 @@ def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: i
     ]
 
 
-def _add(params: list[Tensor], updates: list[Tensor], ratio: float | Tensor) -> None:
-    """``p += ratio * u`` for each pair, one multi-tensor add."""
+def _add(
+    params: list[Tensor], updates: list[Tensor], ratio: float | Tensor, fused: bool = False
+) -> None:
+    """``p += ratio * u`` for each pair, one multi-tensor add (``fused``: see
+    :func:`functional_opt._lists.add_into`)."""
     if isinstance(ratio, Tensor):
         torch._foreach_add_(params, [u * ratio.to(u.device) for u in updates])
     elif ratio == 1.0:
-        torch._foreach_add_(params, updates)
+        _lists.add_into(params, updates, fused=fused)
     else:
         torch._foreach_add_(params, updates, alpha=ratio)
 

@@ -137,9 +137,8 @@ class _Facts:
         self.shapes = list(map(Tensor.size, ps))
         self.dtypes = list(map(_DTYPE, ps))
         self.devices = list(map(_DEVICE, ps))
-        min_numel = LEAF_MIN
         self.large = (
-            [i for i, s in enumerate(self.shapes) if s.numel() >= min_numel] if leafwise else []
+            [i for i, s in enumerate(self.shapes) if s.numel() >= LEAF_MIN] if leafwise else []
         )
         taken = set(self.large)
         self.staged = [i for i in range(len(ps)) if i not in taken]
@@ -147,6 +146,10 @@ class _Facts:
             tuple((self.shapes[i], self.dtypes[i], self.devices[i]) for i in self.staged),
             tuple(self.staged),
         )
+        self.fused_add = _lists.fused_add_ok([ps[i] for i in self.staged])
+        """Whether the staged params may take :func:`functional_opt._lists.add_into`'s fused
+        route (where they are contiguous; the staging buffers' views it adds are, and of the
+        params' dtypes)."""
 
 
 class PlainTreeStep:
@@ -199,7 +202,7 @@ class PlainTreeStep:
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None:
-            staged_outer = self._run_staged(prepared, ps, gs, staged, outer, outer_spec, kinds)
+            staged_outer = self._run_staged(prepared, ps, gs, facts, outer, outer_spec, kinds)
             positions = iter(range(len(per)))
             for n, (x, k) in enumerate(zip(staged_outer, kinds, strict=True)):
                 if k == "param":  # the staged leaves' entries: views of the state's buffers
@@ -276,7 +279,7 @@ class PlainTreeStep:
         prepared: tuple[_Staging, list[tuple[list[Tensor], bool]]],
         ps: list[Tensor],
         gs: list[Tensor],
-        staged: list[int],
+        facts: _Facts,
         outer: list[Any],
         outer_spec: Any,
         kinds: list[str],
@@ -285,6 +288,7 @@ class PlainTreeStep:
         state's entries (per-parameter ones as packed trees)."""
         staging, states = prepared
         layout = staging.layout
+        staged = facts.staged
         staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
         staging.grad_plan(gs if len(staged) == len(gs) else [gs[i] for i in staged])
         buffers = iter(states)
@@ -309,15 +313,23 @@ class PlainTreeStep:
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(layout.structure, tree=layout.structure.rebuild(staged_ps))
         updates, new_sub = self.runner(grads, sub, given, {DONATE: True})
+        # (checked each step: an in-place transpose keeps a param's address)
+        fused = facts.fused_add and all(map(Tensor.is_contiguous, staged_ps))
         if isinstance(updates, Packed) and updates.buffers is not None:
             if all(map(operator.is_, updates.buffers, staging.grads)):
                 views = staging.grad_views
             else:
                 assert updates.layout is not None
                 views = cast(list[Tensor], updates.layout.views(list(updates.buffers)))
+                fused = fused and all(
+                    u.dtype == b.dtype for u, b in zip(updates.buffers, staging.grads, strict=True)
+                )
         else:
-            views = tree.leaves(updates.tree if isinstance(updates, Packed) else updates)
-        torch._foreach_add_(staged_ps, views)
+            views, fused = (
+                tree.leaves(updates.tree if isinstance(updates, Packed) else updates),
+                False,
+            )
+        _lists.add_into(staged_ps, views, fused=fused)
         new_entries = outer_spec.flatten_up_to(new_sub)
         positions = iter(range(len(states)))
         for n, k in enumerate(kinds):
