@@ -436,7 +436,10 @@ def stack(xs: Sequence[Tensor]) -> Tensor:
 
 def global_norm(xs: Sequence[Tensor]) -> Tensor:
     """``sqrt(sum_i ||x_i||^2)`` over all tensors (0 for an empty list); within
-    :func:`sharded_reductions` over the whole tensors (one collective)."""
+    :func:`sharded_reductions` over the whole tensors (one collective); within
+    :func:`across_parts` over the whole tree (see :class:`Across`)."""
+    if _ACROSS is not None:
+        return across_total(squares_sum(xs)).sqrt()
     if not xs:
         return torch.zeros(())
     if _SHARDED is not None:
@@ -463,6 +466,10 @@ def all_finite(xs: Sequence[Tensor]) -> Tensor:
     shards within :func:`sharded_reductions`), of every shard on every rank (the non-finite
     elements are counted and the counts summed across ranks with one collective per device
     mesh), so all ranks get the same flag."""
+    if _ACROSS is not None:
+        flags = _finite_flags(xs)
+        local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
+        return across_total(local.logical_not().sum(dtype=torch.float32)) == 0
     if _SHARDED is not None:  # (a collective even where this rank holds no element)
         flags = _finite_flags(xs)
         local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
@@ -627,3 +634,64 @@ def non_finite_count(flags: Tensor) -> Tensor:
     false on all ranks of the active :func:`sharded_reductions` group (one collective, also for
     no flags)."""
     return sum_over_shards(flags.logical_not().sum(dtype=torch.float32).reshape(1))[0]
+
+
+def squares_sum(xs: Sequence[Tensor]) -> Tensor:
+    """``sum_i ||x_i||^2`` over the tensors as they are here (at least float32; 0 for none)."""
+    local = [n.square() for n in local_norms(xs)]
+    return stack(local).sum() if local else torch.zeros(())
+
+
+class Across:
+    """The library's reductions over a whole tree, where the tree is updated in parts (a leaf,
+    or some leaves, at a time: the engine's direct and staged routes). Each reduction over a
+    part (:func:`global_norm`, :func:`all_finite`, and the tree records' ``global_norm`` /
+    ``all_finite``) has a *partial* value that the parts' values sum to: a sum of squares, a
+    count of non-finite tensors. The first ``len(given)`` reductions of an update return the
+    whole tree's totals from ``given`` (what their partials summed to); each later one records
+    its partial in ``partials`` and goes on with it as a stand-in (its results are not used).
+
+    So for a transform whose only dependence across leaves is these reductions
+    (:func:`functional_opt.base.leafwise` with ``reductions=True``), an update of a part with
+    all its reductions' totals given is that part of the whole tree's update; the totals come
+    from passes over the parts, the ``k``-th with the first ``k - 1`` totals given. Made and
+    made active inside the code the engine compiles (:func:`across_parts`), so the totals are
+    inputs of the graph and the partials its outputs."""
+
+    __slots__ = ("count", "given", "partials")
+
+    def __init__(self, given: Sequence[Tensor]) -> None:
+        self.given = list(given)
+        self.partials: list[Tensor] = []
+        self.count = 0
+
+
+_ACROSS: Across | None = None
+"""The active :class:`Across`, else ``None``."""
+
+
+def across_parts(value: Across | None) -> Across | None:
+    """Make ``value`` the active :class:`Across` (``None``: none); returns the one it replaces,
+    to restore after (a plain function rather than a context manager: compiled code calls it)."""
+    global _ACROSS
+    old = _ACROSS
+    _ACROSS = value
+    return old
+
+
+def across_total(partial: Tensor) -> Tensor:
+    """Within :func:`across_parts`: the next reduction's total (given), else ``partial``, which
+    is recorded (see :class:`Across`)."""
+    active = _ACROSS
+    assert active is not None
+    k = active.count
+    active.count = k + 1
+    if k < len(active.given):
+        return active.given[k].to(partial.dtype)
+    active.partials.append(partial)
+    return partial
+
+
+def summed(partials: Sequence[Tensor]) -> Tensor:
+    """The total of the parts' partial values of one reduction (in their widest dtype)."""
+    return stack(list(partials)).sum()

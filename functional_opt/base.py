@@ -43,6 +43,7 @@ __all__ = [
     "fusable",
     "identity",
     "leafwise",
+    "leafwise_level",
     "named_chain",
     "safe_increment",
     "staged",
@@ -343,25 +344,53 @@ _LEAFWISE = "__functional_opt_leafwise__"
 
 
 def declare_leafwise(
-    update: Callable[..., Any], declared: bool | Callable[[], bool] = True
+    update: Callable[..., Any],
+    declared: bool | Callable[[], bool | int] = True,
+    *,
+    reductions: bool = False,
 ) -> Callable[..., Any]:
     """Declares that ``update`` treats every leaf on its own: each leaf's update and new state
     depend only on that leaf's update, state and param and on the state that is not per
     parameter (counters, injected hyperparameters), which the update changes the same way
     whatever the leaves (``declared()``: whether it does, for a wrapper that depends on its
-    members). Then the update of a one-leaf tree, leaf by leaf, equals the update of the whole
-    tree, and ``TransformOptimizer``'s engine may step large params one at a time, in their
-    own storage (see ``functional_opt.adapters.packed_group``). A global norm, a finite check
-    over all leaves or a mask given as a tree is not leafwise. Returns ``update``."""
-    setattr(update, _LEAFWISE, declared if callable(declared) else (lambda: declared))
+    members; it may return a :func:`leafwise_level`). Then the update of a one-leaf tree, leaf
+    by leaf, equals the update of the whole tree, and ``TransformOptimizer``'s engine may step
+    large params one at a time, in their own storage (see
+    ``functional_opt.adapters.packed_group``). A mask given as a tree is not leafwise.
+
+    ``reductions=True``: leafwise but for reductions over all leaves taken with the library's
+    helpers (a global norm, a finite check: ``at.global_norm``, ``at.all_finite`` of
+    ``tree.split``, or :mod:`functional_opt._lists`): given those reductions' totals over the
+    whole tree (:class:`functional_opt._lists.Across`), each leaf's update is the whole tree's
+    for that leaf. Returns ``update``."""
+    if callable(declared):
+        setattr(update, _LEAFWISE, declared)
+    else:
+        level = (_GIVEN_REDUCTIONS if reductions else _ALONE) if declared else 0
+        setattr(update, _LEAFWISE, lambda: level)
     return update
 
 
-def leafwise(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` declares that it treats every leaf on its own (see
-    :func:`declare_leafwise`). A transform that declares nothing is not."""
+_ALONE = 2
+_GIVEN_REDUCTIONS = 1
+
+
+def leafwise_level(tx: GradientTransformation) -> int:
+    """How ``tx`` treats the leaves (see :func:`declare_leafwise`): 2, every leaf on its own;
+    1, every leaf on its own given the totals of its reductions over all leaves; 0, neither
+    (what a transform that declares nothing is). A wrapper's is its members' lowest."""
     declared = getattr(tx.update, _LEAFWISE, None)
-    return bool(declared is not None and declared())
+    value = declared() if declared is not None else 0
+    if value is True:
+        return _ALONE
+    return int(value) if value else 0
+
+
+def leafwise(tx: GradientTransformation, reductions: bool = False) -> bool:
+    """Whether ``tx`` declares that it treats every leaf on its own (see
+    :func:`declare_leafwise`); with ``reductions=True``, also one that does given the totals
+    of its reductions over all leaves. A transform that declares nothing is not."""
+    return leafwise_level(tx) >= (_GIVEN_REDUCTIONS if reductions else _ALONE)
 
 
 _STAGES = "__functional_opt_stages__"
@@ -454,6 +483,7 @@ def stateless(
     *,
     elementwise: bool = False,
     leafwise: bool = False,
+    reductions: bool = False,
 ) -> GradientTransformation:
     """A transform without state: ``update`` returns ``fn(updates, params)`` and the
     ``EmptyState`` it was given. Given ``params``, it refuses updates of another shape (naming
@@ -461,7 +491,8 @@ def stateless(
     (:func:`check_extra`); ``name`` (default: the function that made ``fn``) names it in
     errors. ``elementwise=True`` declares that ``fn`` splits its updates with
     ``tree.split(updates, elementwise=True)`` (see :func:`declare_fusable`); ``leafwise=True``
-    that it maps each leaf on its own (see :func:`declare_leafwise`)."""
+    that it maps each leaf on its own (see :func:`declare_leafwise`), with ``reductions=True``
+    given the totals of its reductions over all leaves."""
     where = name or fn.__qualname__.split(".<locals>")[0]
 
     def init_fn(params: Params) -> EmptyState:
@@ -484,7 +515,7 @@ def stateless(
         return fn(updates, params), state
 
     declare_fusable(update_fn, elementwise)
-    declare_leafwise(update_fn, leafwise)
+    declare_leafwise(update_fn, leafwise, reductions=reductions)
     return GradientTransformation(init_fn, accepting(update_fn, EXTRA_KEYWORDS))
 
 
@@ -561,7 +592,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     declare_step_size(update_fn, lambda: _chain_step_size(transforms))
     declare_fusable(update_fn, lambda: all(fusable(t) for t in transforms))
-    declare_leafwise(update_fn, lambda: all(leafwise(t) for t in transforms))
+    declare_leafwise(update_fn, lambda: min((leafwise_level(t) for t in transforms), default=2))
     if any(getattr(t.update, _STAGES, None) is not None for t in transforms):
         declare_stages(update_fn, lambda state: _member_stages(transforms, state))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
@@ -590,7 +621,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
 
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
-    declare_leafwise(update_fn, lambda: leafwise(inner))
+    declare_leafwise(update_fn, lambda: leafwise_level(inner))
     if getattr(inner.update, _STAGES, None) is not None:
         declare_stages(
             update_fn,

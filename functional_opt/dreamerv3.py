@@ -25,7 +25,7 @@ from functional_opt.base import (
     donating,
     donating_updates,
     fusable,
-    leafwise,
+    leafwise_level,
 )
 from functional_opt.engine import Runner
 from functional_opt.packed import Packed
@@ -194,7 +194,7 @@ def dreamerv3(
     declare_step_size(update_fn, declared)
     # under torch.compile the fast paths step aside and the chain runs: the engine compiles it
     declare_fusable(update_fn, fusable(reference))
-    declare_leafwise(update_fn, leafwise(reference))
+    declare_leafwise(update_fn, lambda: leafwise_level(reference))
     return GradientTransformation(reference.init, update_fn)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
 from functional_opt.base import (
@@ -72,7 +73,11 @@ def _donated_step(
     ``whole``), the step also adds the updates into them in the same graph, ``t <- t + u`` in
     ``t``'s dtype, so the update is added where it is computed (one pass), and returns
     ``None`` for the updates; with ``copy`` it writes the updates into them (``t <- u``, a
-    persistent buffer instead of a fresh one)."""
+    persistent buffer instead of a fresh one).
+
+    Given ``totals`` (a part of a tree, for a transform leafwise given its reductions) the
+    update runs within :func:`functional_opt._lists.across_parts`, its reductions over all
+    leaves given."""
     into_updates = extra.get(DONATE) is True
 
     def step(
@@ -82,8 +87,14 @@ def _donated_step(
         targets: list[Any] | None = None,
         whole: bool = False,
         copy: bool = False,
+        totals: list[Tensor] | None = None,
     ) -> tuple[Updates, OptState]:
-        new, new_state = tx.update(updates, state, params, **extra)
+        old = None if totals is None else _lists.across_parts(_lists.Across(totals))
+        try:
+            new, new_state = tx.update(updates, state, params, **extra)
+        finally:
+            if totals is not None:
+                _lists.across_parts(old)
         if isinstance(new, Packed) and new.buffers is None:
             new = new.repack()  # a leaf-by-leaf transform's result: loose leaves
         if targets is not None:
@@ -109,10 +120,43 @@ def _donated_step(
     return step
 
 
+def _partials_step(
+    tx: GradientTransformation, extra: dict[str, Any]
+) -> Callable[..., tuple[Tensor, ...]]:
+    """The pass that is compiled for a part of a tree (a transform leafwise given its
+    reductions): the partial values of the reductions of ``tx.update`` over the part, the first
+    ``len(totals)`` given their totals (see :class:`functional_opt._lists.Across`). Pure: the
+    update's results are dropped, so the compiled pass computes only what the partials need."""
+    pure = {k: v for k, v in extra.items() if k != DONATE}
+
+    def step(
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        targets: list[Any] | None = None,
+        whole: bool = False,
+        copy: bool = False,
+        totals: list[Tensor] | None = None,
+    ) -> tuple[Tensor, ...]:
+        del targets, whole, copy
+        across = _lists.Across(totals or [])
+        old = _lists.across_parts(across)
+        try:
+            tx.update(updates, state, params, **pure)
+        finally:
+            _lists.across_parts(old)
+        return tuple(across.partials)
+
+    return step
+
+
 class Runner:
     """Compiled steps of one transform, by keyword signature (what :func:`fused` and
     :func:`fused_step` call; ``TransformOptimizer``'s engine calls it with the params to add
-    the updates into). ``runner(updates, state, params, extra, targets=None, whole=False)``."""
+    the updates into). ``runner(updates, state, params, extra, targets=None, whole=False)``;
+    with ``totals`` the update of a part of a tree given its reductions' totals, and
+    :meth:`partials` the pass that gives a part's partial values of them (see
+    :class:`functional_opt._lists.Across`)."""
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
@@ -131,7 +175,37 @@ class Runner:
         targets: list[Any] | None = None,
         whole: bool = False,
         copy: bool = False,
+        totals: list[Tensor] | None = None,
     ) -> tuple[Updates, OptState]:
+        out = self._run(False, updates, state, params, extra, targets, whole, copy, totals)
+        return out  # type: ignore[no-any-return]
+
+    def partials(
+        self,
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        extra: dict[str, Any],
+        totals: list[Tensor],
+    ) -> tuple[Tensor, ...]:
+        """The partial values of ``tx.update``'s reductions over this part (``updates``) of a
+        tree, the first ``len(totals)`` given their totals; writes nothing."""
+        out = self._run(True, updates, state, params, extra, None, False, False, totals)
+        return out  # type: ignore[no-any-return]
+
+    def _run(
+        self,
+        partials: bool,
+        updates: Updates,
+        state: OptState,
+        params: Params | None,
+        extra: dict[str, Any],
+        targets: list[Any] | None,
+        whole: bool,
+        copy: bool,
+        totals: list[Tensor] | None,
+    ) -> Any:
+        args = (updates, state, params, targets, whole, copy, totals)
         flag = extra.get(DONATE, False)
         if (
             not _kernels.compiles_here()
@@ -143,7 +217,7 @@ class Runner:
             # an update autograd records: the transform's own ops, which it can differentiate
             or (torch.is_grad_enabled() and _lists.tracked(updates.buffers, _buffers(params)))
         ):
-            return self._eager(updates, state, params, extra, targets, whole, copy)
+            return self._eager(partials, extra, *args)
         updates.layout.prepare()  # (plans made inside a graph would make it recompile)
         # values of the state read for free (a CPU counter): one graph per stage, traced and
         # run under it (MultiSteps: a mini-step that emits nothing compiles its accumulation)
@@ -152,16 +226,17 @@ class Runner:
             *sorted(extra.items()),
             ("apply", targets is None, whole, copy),
             ("stages", found),
+            ("across", partials, None if totals is None else len(totals)),
         )
         group = _lists.sharded_group()
         if group is not None:  # the reductions sum over its ranks (_lists.sharded_reductions)
             key = (*key, ("sharded", id(group)))
         if key in self.failed:
-            return self._eager(updates, state, params, extra, targets, whole, copy)
+            return self._eager(partials, extra, *args)
         step = self.steps.get(key)
         first = step is None
         if step is None:
-            fn = _donated_step(self.tx, extra)
+            fn = (_partials_step if partials else _donated_step)(self.tx, extra)
             # A code object of its own: dynamo caches compiled graphs per code object, and the
             # steps of all transforms would otherwise share one cache (and its size limit).
             own = types.FunctionType(
@@ -171,36 +246,40 @@ class Runner:
             self.steps[key] = step
         if not first:
             with staged(found):
-                return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
+                return step(*args)
         try:
             with staged(found):
-                return step(updates, state, params, targets, whole, copy)  # type: ignore[no-any-return]
+                return step(*args)
         except torch._dynamo.exc.TorchDynamoException as err:
             # (raised while tracing or compiling, before the compiled code ran)
-            out = self._eager(updates, state, params, extra, targets, whole, copy)  # a user error
+            out = self._eager(partials, extra, *args)  # a user error surfaces here
             self.failed.add(key)
             del self.steps[key]
             warnings.warn(
                 f"fused: torch.compile failed ({type(err).__name__}: {str(err)[:300]}); this "
                 "transform's update runs eagerly",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return out
 
     def _eager(
         self,
+        partials: bool,
+        extra: dict[str, Any],
         updates: Updates,
         state: OptState,
         params: Params | None,
-        extra: dict[str, Any],
         targets: list[Any] | None,
         whole: bool,
-        copy: bool = False,
-    ) -> tuple[Updates, OptState]:
-        if targets is None:
+        copy: bool,
+        totals: list[Tensor] | None,
+    ) -> Any:
+        if partials:
+            return _partials_step(self.tx, extra)(updates, state, params, totals=totals)
+        if targets is None and totals is None:
             return self.tx.update(updates, state, params, **extra)
-        return _donated_step(self.tx, extra)(updates, state, params, targets, whole, copy)
+        return _donated_step(self.tx, extra)(updates, state, params, targets, whole, copy, totals)
 
 
 def fused_step(

@@ -24,10 +24,10 @@ from typing import Any
 import optree
 from torch import Tensor
 
-from functional_opt import tree
-from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation
+from functional_opt import _lists, tree
+from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leafwise
 
-__all__ = ["GIVEN", "Rebuild", "leaf_step"]
+__all__ = ["GIVEN", "Rebuild", "leaf_partials", "leaf_step"]
 
 GIVEN = ("group", "hyper")
 """The kinds of state leaves that are not per parameter: each step gets them, and every call
@@ -35,41 +35,46 @@ writes their same new values (see :func:`leaf_step`)."""
 
 
 def leaf_step(
-    tx: GradientTransformation, outline: Any, kinds: list[str]
+    tx: GradientTransformation, outline: Any, kinds: list[str], totals: int = 0
 ) -> Callable[..., None] | None:
-    """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs)``
-    runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the param's own
-    per-parameter entries ``state`` and the other state leaves ``given``, writes the new
-    per-parameter entries into ``state``, ``p + ratio u`` into ``p`` (in ``p``'s dtype) and the
-    new values of ``given`` into ``outs``. Only the state is donated (the gradient is the
+    """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
+    *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
+    param's own per-parameter entries ``state`` and the other state leaves ``given``, writes the
+    new per-parameter entries into ``state``, ``p + ratio u`` into ``p`` (in ``p``'s dtype) and
+    the new values of ``given`` into ``outs``. Only the state is donated (the gradient is the
     caller's); ``given`` is copied first, so every call reads the same values.
+
+    ``totals`` (for a transform leafwise given its reductions,
+    :func:`functional_opt.base.leafwise` with ``reductions=True``): how many totals of its
+    reductions over all leaves the step takes, in order (:func:`leaf_partials` makes them); the
+    update then runs within :func:`functional_opt._lists.across_parts`.
 
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
     ``"hyper"`` or ``"none"``). ``None`` when the state holds a node :class:`Rebuild` cannot
     rebuild."""
+    shape = _rebuild(outline)
+    if shape is None:
+        return None
     n_param = kinds.count("param")
     n_given = sum(k in GIVEN for k in kinds)
-    template = optree.tree_map(
-        lambda k: [0] if k == "param" else (None if k == "none" else 0),
-        outline,
-        namespace=tree.NAMESPACE,
-    )
-    try:
-        shape = Rebuild(template)
-    except TypeError:
-        return None
+    across = totals > 0 or not leafwise(tx)
 
     def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> None:
         state_in = iter(args[:n_param])
         given = iter([x.clone() for x in args[n_param : n_param + n_given]])
-        outs = iter(args[n_param + n_given :])
+        outs = iter(args[n_param + n_given : n_param + 2 * n_given])
         leaves = [
             next(state_in) if k == "param" else (None if k == "none" else next(given))
             for k in kinds
         ]
         state = shape.build(iter(leaves))
-        updates, new = tx.update([g], state, [p], **{DONATE: STATE_ONLY})
+        old = _lists.across_parts(_lists.Across(args[n_param + 2 * n_given :])) if across else None
+        try:
+            updates, new = tx.update([g], state, [p], **{DONATE: STATE_ONLY})
+        finally:
+            if across:
+                _lists.across_parts(old)
         u = tree.leaves(updates)[0]
         p.copy_((p + ratio * u).to(p.dtype))
         state_in = iter(args[:n_param])
@@ -77,13 +82,59 @@ def leaf_step(
         shape.leaves(new, new_leaves)
         for k, value in zip(kinds, new_leaves, strict=True):
             if k == "param":
-                old = next(state_in)
-                if value is not old:
-                    old.copy_(value)
+                old_value = next(state_in)
+                if value is not old_value:
+                    old_value.copy_(value)
             elif k != "none":
                 next(outs).copy_(value)
 
     return step
+
+
+def leaf_partials(
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int
+) -> Callable[..., tuple[Tensor, ...]] | None:
+    """For a transform leafwise given its reductions: ``partials(g, p, *state, *given,
+    *totals)``, one param's partial values of the reductions of ``tx.update`` on the one-param
+    tree ``[g]``, the first ``known`` of them given their totals over all leaves (``totals``);
+    it returns the partials of the others (the first is exact; the later ones stand on it, see
+    :class:`functional_opt._lists.Across`). Writes nothing. The arguments are
+    :func:`leaf_step`'s (without ``ratio`` and ``outs``); compiled, what the returned partials
+    do not need is left out (for ``clip_by_global_norm`` first in a chain: a pass over ``g``)."""
+    shape = _rebuild(outline)
+    if shape is None:
+        return None
+    n_param = kinds.count("param")
+    n_given = sum(k in GIVEN for k in kinds)
+
+    def partials(g: Tensor, p: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
+        state_in = iter(args[:n_param])
+        given = iter(args[n_param : n_param + n_given])
+        leaves = [
+            next(state_in) if k == "param" else (None if k == "none" else next(given))
+            for k in kinds
+        ]
+        across = _lists.Across(args[n_param + n_given : n_param + n_given + known])
+        old = _lists.across_parts(across)
+        try:
+            tx.update([g], shape.build(iter(leaves)), [p])
+        finally:
+            _lists.across_parts(old)
+        return tuple(across.partials)
+
+    return partials
+
+
+def _rebuild(outline: Any) -> Rebuild | None:
+    template = optree.tree_map(
+        lambda k: [0] if k == "param" else (None if k == "none" else 0),
+        outline,
+        namespace=tree.NAMESPACE,
+    )
+    try:
+        return Rebuild(template)
+    except TypeError:
+        return None
 
 
 class Rebuild:

@@ -589,6 +589,8 @@ class BufferLeaves:
         """``sqrt(sum_i ||x_i||^2)`` over all leaves (the gaps left out; sharded: the squares
         summed over the ranks, one collective even where this rank holds no element)."""
         regions = self._regions(xs)
+        if _lists._ACROSS is not None:  # (a part of the tree: see _lists.Across)
+            return _lists.global_norm(regions)
         if _lists.sharded_group() is not None:
             dtype = torch.float32
             for x in xs:

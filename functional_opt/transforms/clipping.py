@@ -57,7 +57,8 @@ def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
         factor = torch.where(norm < max_norm, torch.ones_like(norm), max_norm / norm)
         return at.updates(_lists.mul(g, factor))
 
-    return stateless(apply, elementwise=True)
+    # (leaf by leaf given the global norm: see functional_opt._lists.Across)
+    return stateless(apply, elementwise=True, leafwise=True, reductions=True)
 
 
 Axis = int | tuple[int, ...] | Literal["torch"] | None

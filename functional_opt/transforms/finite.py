@@ -15,6 +15,7 @@ from functional_opt.base import (
     accepting,
     check_extra,
     declare_fusable,
+    declare_leafwise,
     declare_stages,
     declare_step_size,
     donating,
@@ -22,6 +23,7 @@ from functional_opt.base import (
     extra_keywords,
     fusable,
     inner_step_size,
+    leafwise_level,
     safe_increment,
     stages,
     without_donation,
@@ -163,6 +165,8 @@ def apply_if_finite(
     # skipped steps give zero updates: still proportional to the inner transform's step size
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
+    # leaf by leaf given the finite check over all leaves (functional_opt._lists.Across)
+    declare_leafwise(update_fn, lambda: min(leafwise_level(inner), 1))
     declare_stages(  # the inner transform's (a MultiSteps inside compiles its mini-steps apart)
         update_fn,
         lambda state: (

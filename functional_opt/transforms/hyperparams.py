@@ -24,7 +24,7 @@ from functional_opt.base import (
     expect_state,
     extra_keywords,
     fusable,
-    leafwise,
+    leafwise_level,
     safe_increment,
     zero_count,
 )
@@ -210,7 +210,7 @@ def inject_hyperparams(
             return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
 
         declare_fusable(update_fn, fusable(probe))
-        declare_leafwise(update_fn, leafwise(probe))
+        declare_leafwise(update_fn, lambda: leafwise_level(probe))
         return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
     return wrapped
