@@ -50,9 +50,16 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
-from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, fusable, leafwise
+from functional_opt.base import (
+    DONATE,
+    STATE_ONLY,
+    GradientTransformation,
+    fusable,
+    leafwise,
+    leafwise_level,
+)
 from functional_opt.engine import Runner
-from functional_opt.leaf_step import GIVEN, leaf_step
+from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
 from functional_opt.packed import Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
@@ -97,16 +104,18 @@ class PackedGroup:
         """Steps this group took here (what tests read to know the engine ran)."""
         self.direct: list[int] = []
         """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
-        self.leaf_step: _kernels.Kernel | None = None
-        """Their step, compiled (:func:`leaf_step`)."""
+        self.tx = tx
+        self.leaf_steps: dict[int, _kernels.Kernel] = {}
+        """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes;
+        with ``-1 - k`` the pass giving their partials with ``k`` totals (:func:`leaf_partials`)."""
+        self.reduces = leafwise_level(tx) == 1
+        """Whether the direct params need the totals of the update's reductions over the whole
+        group first (see :class:`functional_opt._lists.Across`)."""
+        self.outline = optree.tree_unflatten(spec, [kind for kind, _ in slots])
         if not self.sharded and direct_min > 0:
             self.direct = direct_params(tx, params, direct_min)
-            kinds = [kind for kind, _ in slots]
-            fn = leaf_step(tx, optree.tree_unflatten(spec, kinds), kinds) if self.direct else None
-            if fn is None:  # (a state it cannot rebuild: every param is packed)
-                self.direct = []
-            else:
-                self.leaf_step = _kernels.Kernel(fn)
+            if self.direct and self._leaf_kernel(0) is None:
+                self.direct = []  # (a state it cannot rebuild: every param is packed)
         taken = set(self.direct)
         self.rest = [i for i in range(len(params)) if i not in taken]
         """The params stepped together over packed buffers."""
@@ -156,8 +165,9 @@ class PackedGroup:
         sharded group)."""
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
-        self.leaf_kernels: dict[int, Callable[..., Any]] = {}
-        """Per direct param, its compiled step once it is called without dynamo."""
+        self.leaf_kernels: dict[tuple[int, int], Callable[..., Any]] = {}
+        """Per direct param (and number of totals), its compiled step once it is called without
+        dynamo."""
         # one runner for every kind of call (its compiled steps are keyed by the call's kind)
         self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
@@ -219,18 +229,32 @@ class PackedGroup:
         gradients into the buffer, the fused update, ``p += ratio * u``. ``outer`` holds the
         leaves of the state tree down to its per-parameter nodes (:attr:`spec`, :attr:`slots`),
         the per-parameter ones packed. Returns the new state tree (packed per-parameter
-        subtrees).
+        subtrees). For a transform leafwise given its reductions, their totals over the group
+        come first (:meth:`_totals`).
         For a sharded group ``params`` and ``grads`` are the ``DTensor``s, stepped on their
         local shards."""
         if self.sharded:
             params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
             grads = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
         self.steps += 1
+        loaded = self._load(params, grads, outer) if self.layout is not None else None
+        totals: list[Tensor] = []
+        if self.direct and self.reduces:
+            totals = self._totals(params, grads, outer, loaded)
         if self.direct:
             # first: the packed update may write the group's counters in place
-            news = self._step_direct(params, grads, outer, ratio)
-            if self.layout is None:
+            news = self._step_direct(params, grads, outer, ratio, totals)
+            if loaded is None:
                 return optree.tree_unflatten(self.spec, news)
+        assert loaded is not None
+        return self._step_packed([params[i] for i in self.rest], loaded, ratio, totals)
+
+    def _load(
+        self, params: list[Tensor], grads: list[Tensor], outer: list[Any]
+    ) -> tuple[Packed, Any, Packed, dict[str, Any]]:
+        """The packed params' gradients copied into the buffer (unless they are its views) and
+        their values where the transform reads them: ``(updates, state, params, donate)`` as
+        the runner takes them."""
         params = [params[i] for i in self.rest]
         grads = [grads[i] for i in self.rest]
         state = optree.tree_unflatten(self.spec, outer)
@@ -252,21 +276,39 @@ class PackedGroup:
             given = Packed(layout, buffers=self.params)
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(layout, tree=self.slots_type(params))
+        return updates, state, given, donate
+
+    def _step_packed(
+        self,
+        params: list[Tensor],
+        loaded: tuple[Packed, Any, Packed, dict[str, Any]],
+        ratio: float | Tensor,
+        totals: list[Tensor],
+    ) -> Any:
+        """The packed params' update (:meth:`_load`), added into them; the new state tree."""
+        updates, state, given, donate = loaded
+        layout = self.layout
+        assert layout is not None
+        given_totals = totals or None
         if self.apply_inside and not isinstance(ratio, Tensor) and ratio == 1.0:
-            _, new_state = self._run(updates, state, given, donate, list(params))
+            _, new_state = self._run(
+                updates, state, given, donate, list(params), totals=given_totals
+            )
             return new_state
-        if not ours:  # the update into a persistent buffer of ours, not a fresh one per step
+        if donate[DONATE] is not True:  # the update into a persistent buffer of ours
             if self.scratch is None:
                 self.scratch = [torch.empty_like(b) for b in self.grads]
                 self.scratch_views = layout.views(self.scratch)  # type: ignore[assignment]
-            _, new_state = self._run(updates, state, given, donate, self.scratch, True, True)
+            _, new_state = self._run(
+                updates, state, given, donate, self.scratch, True, True, totals=given_totals
+            )
             _add(params, self.scratch_views, ratio, self._fused(params))
             return new_state
-        new_updates, new_state = self._run(updates, state, given, donate)
+        new_updates, new_state = self._run(updates, state, given, donate, totals=given_totals)
         fused = False
         if isinstance(new_updates, Packed) and new_updates.buffers is not None:
             if all(map(operator.is_, new_updates.buffers, self.grads)):
-                views, fused = grad_views, self._fused(params)
+                views, fused = [self.grad_views[i] for i in self.rest], self._fused(params)
             else:
                 views = layout.views(list(new_updates.buffers))
         else:
@@ -290,11 +332,12 @@ class PackedGroup:
         targets: list[Tensor] | None = None,
         whole: bool = False,
         copy: bool = False,
+        totals: list[Tensor] | None = None,
     ) -> tuple[Any, Any]:
         """The runner's update, within the group's sharded reductions (a sharded group's: the
         runner compiles its graphs for that group)."""
         with _lists.sharded_reductions(self.group):
-            return self.runner(updates, state, given, donate, targets, whole, copy)
+            return self.runner(updates, state, given, donate, targets, whole, copy, totals)
 
     def _probe(self, updates: Packed, state: Any) -> None:
         """Whether the transform needs the params (its pure update without them raises): then
@@ -324,12 +367,65 @@ class PackedGroup:
             if value is not old:
                 old.copy_(value)
 
+    def _leaf_kernel(self, code: int) -> _kernels.Kernel | None:
+        """The direct params' compiled step taking ``code`` totals, or (``code < 0``) their
+        partials pass with ``-1 - code`` totals; ``None`` for a state it cannot rebuild."""
+        if code not in self.leaf_steps:
+            kinds = [kind for kind, _ in self.slots]
+            fn: Callable[..., Any] | None
+            if code >= 0:
+                fn = leaf_step(self.tx, self.outline, kinds, code)
+            else:
+                fn = leaf_partials(self.tx, self.outline, kinds, -1 - code)
+            if fn is None:
+                return None
+            self.leaf_steps[code] = _kernels.Kernel(fn)
+        return self.leaf_steps[code]
+
+    def _totals(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        outer: list[Any],
+        loaded: tuple[Packed, Any, Packed, dict[str, Any]] | None,
+    ) -> list[Tensor]:
+        """The totals over the group of the update's reductions: pass ``k`` sums the partial
+        values of reduction ``k`` (the totals before it given) of each direct param (one
+        compiled call each) and of the packed ones (one compiled pass). Writes nothing."""
+        kinds = [kind for kind, _ in self.slots]
+        names = [name for kind, name in self.slots if kind == "param"]
+        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
+        totals: list[Tensor] = []
+        while True:
+            kernel = self._leaf_kernel(-1 - len(totals))
+            assert kernel is not None
+            parts = [
+                kernel(
+                    grads[i],
+                    params[i],
+                    *[self.state_views[name][i] for name in names],
+                    *given,
+                    *totals,
+                )
+                for i in self.direct
+            ]
+            if loaded is not None:
+                updates, state, given_params, _ = loaded
+                with _lists.sharded_reductions(self.group):
+                    parts.append(self.runner.partials(updates, state, given_params, {}, totals))
+            if not parts[0]:
+                return totals
+            totals.append(_lists.summed([p[0] for p in parts]))
+            if len(parts[0]) == 1:
+                return totals
+
     def _step_direct(
         self,
         params: list[Tensor],
         grads: list[Tensor],
         outer: list[Any],
         ratio: float | Tensor,
+        totals: list[Tensor],
     ) -> list[Any]:
         """The direct params, one compiled call each (:func:`leaf_step`): the transform's
         update of that param alone, its state written in place and ``p + ratio u`` into its
@@ -337,7 +433,7 @@ class PackedGroup:
         with the new values of the state that is not per parameter (every call computes the
         same ones)."""
         kinds = [kind for kind, _ in self.slots]
-        step = self.leaf_step
+        step = self._leaf_kernel(len(totals))
         assert step is not None
         if not self.leaf_outs:
             self.leaf_outs = [
@@ -352,16 +448,17 @@ class PackedGroup:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
         kept = self.leaf_kernels
         for i in self.direct:
-            args = (grads[i], params[i], scale)
+            args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
-            kernel = kept.get(i)
+            args += tuple(totals)
+            kernel = kept.get((i, len(totals)))
             if kernel is not None:  # (the same signature every step: the kernel kept)
                 kernel(*args)
                 continue
             step(*args)
             found = step.direct(*args)
             if found is not None:
-                kept[i] = found
+                kept[i, len(totals)] = found
         news = iter([x.clone() for x in self.leaf_outs])
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 
@@ -372,7 +469,7 @@ def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: i
     params of at least ``least`` elements that share memory with no other param of the group.
     Each costs one call of a compiled kernel (about 10-30 us of dispatch), and saves copying
     its gradient into a buffer and its update out of one (two passes over its memory)."""
-    if not leafwise(tx):
+    if not leafwise(tx, reductions=True):
         return []
     shared = {i for cluster in overlapping(params) for i in cluster}
     return [

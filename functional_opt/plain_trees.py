@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
-from functional_opt.base import DONATE, GradientTransformation, OptState, leafwise
-from functional_opt.leaf_step import GIVEN, leaf_step
+from functional_opt.base import DONATE, GradientTransformation, OptState, leafwise_level
+from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
 from functional_opt.packed import Layout, Packed, pack
 
 __all__ = ["LEAF_MIN", "PlainTreeStep"]
@@ -161,7 +161,11 @@ class PlainTreeStep:
     def __init__(self, tx: GradientTransformation, runner: Any) -> None:
         self.tx = tx
         self.runner = runner
-        self.leafwise = leafwise(tx)
+        level = leafwise_level(tx)
+        self.leafwise = level > 0
+        """Whether large leaves are stepped one at a time (see the module)."""
+        self.reduces = level == 1
+        """Whether they need the totals of the update's reductions over all leaves first."""
         self.kernels: dict[Any, _kernels.Kernel | None] = {}
         """By the state's outline: its compiled step of one leaf (``None``: a state it cannot
         rebuild)."""
@@ -186,23 +190,29 @@ class PlainTreeStep:
             return None
         outer, outer_spec, kinds, per, self.seen = split
         large, staged = facts.large, facts.staged
-        kernel = self._kernel(outer_spec, kinds) if large else None
-        if large and kernel is None:
-            return None
+        across = self.reduces and bool(large)  # (all staged: one update of the whole tree)
+        if large and self._kernel(outer_spec, kinds, 0) is None:
+            return None  # (a state it cannot rebuild)
         # everything that can refuse comes before anything is written
         prepared = self._prepare(gs, spec, facts, per) if staged else None
+        loaded = self._load(prepared, ps, gs, facts, outer, outer_spec, kinds) if prepared else None
+        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
+        totals: list[Tensor] | None = None
+        if across:
+            totals = self._totals(ps, gs, per, given, large, outer_spec, kinds, loaded)
         new_outer = list(outer)
         if large:
+            kernel = self._kernel(outer_spec, kinds, len(totals or ()))
             assert kernel is not None
-            given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
             outs = [torch.empty_like(x) for x in given]
             one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
             for i in large:  # first: the staged step below may write the counters in place
-                kernel(gs[i], ps[i], one, *[leaves[i] for leaves in per], *given, *outs)
+                state_i = [leaves[i] for leaves in per]
+                kernel(gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
-        if prepared is not None:
-            staged_outer = self._run_staged(prepared, ps, gs, facts, outer, outer_spec, kinds)
+        if prepared is not None and loaded is not None:
+            staged_outer = self._run_staged(prepared, loaded, ps, facts, outer_spec, kinds, totals)
             positions = iter(range(len(per)))
             for n, (x, k) in enumerate(zip(staged_outer, kinds, strict=True)):
                 if k == "param":  # the staged leaves' entries: views of the state's buffers
@@ -211,6 +221,37 @@ class PlainTreeStep:
                 elif not large:
                     new_outer[n] = x
         return optree.tree_unflatten(outer_spec, new_outer)
+
+    def _totals(
+        self,
+        ps: list[Tensor],
+        gs: list[Tensor],
+        per: list[list[Any]],
+        given: list[Tensor],
+        large: list[int],
+        outer_spec: Any,
+        kinds: list[str],
+        loaded: tuple[Packed, Any, Packed] | None,
+    ) -> list[Tensor]:
+        """The totals over the whole tree of the update's reductions (a transform leafwise
+        given them): pass ``k`` sums the parts' partial values of reduction ``k`` with the
+        totals before it given (one compiled call per large leaf, one compiled pass over the
+        staged buffers; a pass reads only what that reduction needs). Writes nothing."""
+        totals: list[Tensor] = []
+        while True:
+            kernel = self._partials_kernel(outer_spec, kinds, len(totals))
+            assert kernel is not None  # (the state rebuilds: checked before)
+            parts = [
+                kernel(gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals) for i in large
+            ]
+            if loaded is not None:
+                grads, sub, params = loaded
+                parts.append(self.runner.partials(grads, sub, params, {}, totals))
+            if not parts[0]:
+                return totals
+            totals.append(_lists.summed([p[0] for p in parts]))
+            if len(parts[0]) == 1:
+                return totals
 
     def _facts(self, ps: list[Any], gs: list[Any]) -> _Facts | None:
         """What the step needs to know of the params (made once for the same tensors at the
@@ -245,11 +286,25 @@ class PlainTreeStep:
             return None  # (a large leaf's gradient is read in place)
         return facts
 
-    def _kernel(self, outer_spec: Any, kinds: list[str]) -> _kernels.Kernel | None:
+    def _kernel(self, outer_spec: Any, kinds: list[str], totals: int) -> _kernels.Kernel | None:
+        """The compiled step of one large leaf for this state's outline, taking ``totals``
+        reductions' totals (``None``: a state it cannot rebuild)."""
         outline = optree.tree_unflatten(outer_spec, kinds)
-        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds)
+        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds), totals
         if key not in self.kernels:
-            fn = leaf_step(self.tx, outline, kinds)
+            fn = leaf_step(self.tx, outline, kinds, totals)
+            self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
+        return self.kernels[key]
+
+    def _partials_kernel(
+        self, outer_spec: Any, kinds: list[str], known: int
+    ) -> _kernels.Kernel | None:
+        """The compiled pass of one large leaf giving its partials with ``known`` totals given
+        (:func:`functional_opt.leaf_step.leaf_partials`)."""
+        outline = optree.tree_unflatten(outer_spec, kinds)
+        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds), -1 - known
+        if key not in self.kernels:
+            fn = leaf_partials(self.tx, outline, kinds, known)
             self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
         return self.kernels[key]
 
@@ -274,7 +329,7 @@ class PlainTreeStep:
             return None
         return staging, states
 
-    def _run_staged(
+    def _load(
         self,
         prepared: tuple[_Staging, list[tuple[list[Tensor], bool]]],
         ps: list[Tensor],
@@ -283,13 +338,13 @@ class PlainTreeStep:
         outer: list[Any],
         outer_spec: Any,
         kinds: list[str],
-    ) -> list[Any]:
-        """The engine's step over the staged leaves; the params copied back. Returns the new
-        state's entries (per-parameter ones as packed trees)."""
+    ) -> tuple[Packed, Any, Packed]:
+        """The staged leaves' gradients (and params, for a transform that reads them) copied
+        into the staging buffers: ``(grads, state, params)`` as the engine takes them, the
+        state's per-parameter entries as packed trees of its buffers."""
         staging, states = prepared
         layout = staging.layout
         staged = facts.staged
-        staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
         staging.grad_plan(gs if len(staged) == len(gs) else [gs[i] for i in staged])
         buffers = iter(states)
         sub = optree.tree_unflatten(
@@ -306,13 +361,33 @@ class PlainTreeStep:
                 self.tx.update(grads, sub, None)
             except (ValueError, TypeError):
                 staging.read_params()
+        staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
         if staging.params is not None:
             assert staging.param_plan is not None
             staging.param_plan(staged_ps)
-            given = Packed(layout, buffers=staging.params)
-        else:  # a loose tree: copied into a buffer only if the transform reads it after all
-            given = Packed(layout.structure, tree=layout.structure.rebuild(staged_ps))
-        updates, new_sub = self.runner(grads, sub, given, {DONATE: True})
+            return grads, sub, Packed(layout, buffers=staging.params)
+        # a loose tree: copied into a buffer only if the transform reads it after all
+        return grads, sub, Packed(layout.structure, tree=layout.structure.rebuild(staged_ps))
+
+    def _run_staged(
+        self,
+        prepared: tuple[_Staging, list[tuple[list[Tensor], bool]]],
+        loaded: tuple[Packed, Any, Packed],
+        ps: list[Tensor],
+        facts: _Facts,
+        outer_spec: Any,
+        kinds: list[str],
+        totals: list[Tensor] | None,
+    ) -> list[Any]:
+        """The engine's step over the staged leaves (their reductions' totals given, where the
+        large leaves are stepped apart); the updates added into the params. Returns the new
+        state's entries (per-parameter ones as the state buffers' views)."""
+        staging, states = prepared
+        layout = staging.layout
+        staged = facts.staged
+        staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
+        grads, sub, given = loaded
+        updates, new_sub = self.runner(grads, sub, given, {DONATE: True}, totals=totals)
         # (checked each step: an in-place transpose keeps a param's address)
         fused = facts.fused_add and all(map(Tensor.is_contiguous, staged_ps))
         if isinstance(updates, Packed) and updates.buffers is not None:

@@ -111,6 +111,9 @@ class _Model(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+_MODEL_NUMEL = sum(p.numel() for p in _Model().parameters())
+
+
 def _direct(make: Callable[[Any], TransformOptimizer], params: Any) -> TransformOptimizer:
     opt = make(params)
     opt.fused_min_numel = 0
@@ -127,6 +130,20 @@ MAKERS: dict[str, tuple[Callable[[Any], TransformOptimizer], int]] = {
     "dreamerv3": (
         lambda ps: TransformOptimizer(ps, fo.dreamerv3, lr=1e-2, warmup=2),
         DREAMERV3_ELEMENTWISE_OPS + 96 * 64 + 2,
+    ),
+    # leafwise given the global norm (summed over every element of the model) and the finite
+    # check: the direct params take the totals from passes over all params first
+    "clip-adamw": (
+        lambda ps: TransformOptimizer(
+            ps, fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.1))
+        ),
+        _MODEL_NUMEL + 4,
+    ),
+    "finite-clip-adam": (
+        lambda ps: TransformOptimizer(
+            ps, fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(0.05), fo.adam(1e-2)), 2)
+        ),
+        _MODEL_NUMEL + 4,
     ),
 }
 
@@ -197,11 +214,11 @@ def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
         model(torch.randn(4, 16)).pow(2).mean().backward()
         opt.step()
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
-    compiled = list(engine.leaf_step.compiled.values())
+    compiled = list(engine.leaf_steps[0].compiled.values())
     assert len(compiled) == 1
     assert compiled[0]._graphs == 1
     assert compiled[0].direct is not None
-    assert set(engine.leaf_kernels) == set(engine.direct)  # kept, called straight
+    assert {i for i, _ in engine.leaf_kernels} == set(engine.direct)  # kept, called straight
 
 
 @pytest.mark.numerics
@@ -304,7 +321,8 @@ def test_direct_route_off_packs_every_param() -> None:
 def test_a_transform_that_is_not_leafwise_packs_every_param() -> None:
     torch.manual_seed(6)
     model = _Model()
-    chain = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
+    # a decay mask over the tree: what a leaf gets depends on where it is
+    chain = fo.adamw(1e-2, weight_decay=0.1, mask=lambda ps: [p.ndim > 1 for p in ps])
     opt = _direct(lambda ps: TransformOptimizer(ps, chain), model.parameters())
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
@@ -374,8 +392,15 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
     assert [x.data_ptr() for x in tree.leaves(state) if x.ndim] == state_ptrs
 
 
+_DICT_MASKED = {  # a decay mask over _plain's tree (not leafwise: it depends on the tree)
+    "masked-decay-dict": lambda: fo.adamw(
+        1e-2, weight_decay=0.1, mask=lambda ps: optree.tree_map(lambda p: p.ndim > 1, ps)
+    )
+}
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("name", ["adam", "global-norm-clip"])
+@pytest.mark.parametrize("name", ["adam", "global-norm-clip", "masked-decay-dict"])
 def test_fused_step_over_a_plain_tree_stages_every_leaf_without_a_large_one(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -384,8 +409,8 @@ def test_fused_step_over_a_plain_tree_stages_every_leaf_without_a_large_one(
     eager update and ``apply_updates`` within rounding; from the second step on the state's
     leaves are the same views, not copied again."""
     calls = _Calls(monkeypatch)
-    tx = {**LEAFWISE, **NOT_LEAFWISE}[name]()
-    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 10**6 if leafwise(tx) else 1000)
+    tx = {**LEAFWISE, **NOT_LEAFWISE, **_DICT_MASKED}[name]()
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000 if name == "masked-decay-dict" else 10**6)
     params, ref = _plain(1), _plain(1)
     state, ref_state = tx.init(params), tx.init(ref)
     ptrs = [p.data_ptr() for p in tree.leaves(params)]
@@ -528,3 +553,49 @@ def test_fused_step_stages_a_param_that_is_not_contiguous() -> None:
     ref = fo.apply_updates(ref, updates, donate=True)
     assert not params[0].is_contiguous()
     assert_close_rounding(params, ref, dtype=torch.float32, ops=ELEMENTWISE_OPS + 2)
+
+
+_GIVEN_REDUCTIONS: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "clip-adamw": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, weight_decay=0.1)),
+    "finite-clip-adam": lambda: fo.apply_if_finite(
+        fo.chain(fo.clip_by_global_norm(0.5), fo.adam(1e-2)), 3
+    ),
+    # the norm is of the moments' output: its pass reads the state too
+    "adam-then-clip": lambda: fo.chain(
+        fo.scale_by_adam(), fo.clip_by_global_norm(0.1), fo.scale(-1e-2)
+    ),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", sorted(_GIVEN_REDUCTIONS))
+def test_fused_step_steps_large_leaves_directly_given_the_reductions(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transform leafwise given its reductions over all leaves (a global norm, a finite
+    check) over a plain tree: the totals come from passes over the large leaves and the staged
+    ones, then each large leaf is stepped by itself; four steps (one with a NaN, which
+    ``apply_if_finite`` skips) within rounding of the eager update."""
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
+    tx = _GIVEN_REDUCTIONS[name]()
+    assert leafwise(tx, reductions=True) and not leafwise(tx)
+    calls = _Calls(monkeypatch)
+    params, ref = _plain(5), _plain(5)
+    state, ref_state = tx.init(params), tx.init(ref)
+    step = fo.fused_step(tx)
+    numel = sum(p.numel() for p in tree.leaves(params))
+    for k in range(4):
+        grads = _plain(70 + k)
+        if k == 2:
+            grads["w"][0][1, 1] = float("nan") if name.startswith("finite") else 1e3
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        params, state = step(params, grads, state)
+        assert_close_rounding(
+            tree.leaves(params),
+            tree.leaves(ref),
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
+        )
+    assert calls.count >= 4 * 3 * 2  # per step and large leaf: its partials pass and its step
