@@ -166,8 +166,8 @@ class PackedGroup:
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
         self.leaf_kernels: dict[tuple[int, int], Callable[..., Any]] = {}
-        """Per direct param (and number of totals), its compiled step once it is called without
-        dynamo."""
+        """Per direct param and kernel (the code of :meth:`_leaf_kernel`), the compiled kernel
+        once it is called without dynamo."""
         # one runner for every kind of call (its compiled steps are keyed by the call's kind)
         self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
@@ -397,15 +397,20 @@ class PackedGroup:
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         totals: list[Tensor] = []
         while True:
-            kernel = self._leaf_kernel(-1 - len(totals))
+            code = -1 - len(totals)
+            kernel = self._leaf_kernel(code)
             assert kernel is not None
             parts = [
-                kernel(
-                    grads[i],
-                    params[i],
-                    *[self.state_views[name][i] for name in names],
-                    *given,
-                    *totals,
+                kernel.kept_call(
+                    self.leaf_kernels,
+                    (i, code),
+                    (
+                        grads[i],
+                        params[i],
+                        *[self.state_views[name][i] for name in names],
+                        *given,
+                        *totals,
+                    ),
                 )
                 for i in self.direct
             ]
@@ -446,19 +451,10 @@ class PackedGroup:
             scale = ratio.detach().to(device=device, dtype=torch.float64)
         else:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
-        kept = self.leaf_kernels
         for i in self.direct:
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
-            args += tuple(totals)
-            kernel = kept.get((i, len(totals)))
-            if kernel is not None:  # (the same signature every step: the kernel kept)
-                kernel(*args)
-                continue
-            step(*args)
-            found = step.direct(*args)
-            if found is not None:
-                kept[i, len(totals)] = found
+            step.kept_call(self.leaf_kernels, (i, len(totals)), (*args, *totals))
         news = iter([x.clone() for x in self.leaf_outs])
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -454,6 +454,20 @@ class Kernel:
             return self.fn(*args)
         return _run(self.fn, args, lambda: self._for(args), self._fail)
 
+    def kept_call(
+        self, kept: dict[Any, Callable[..., Any]], key: Any, args: tuple[Any, ...]
+    ) -> Any:
+        """``self(*args)``, through the compiled kernel kept in ``kept`` under ``key`` once
+        there is one (:meth:`direct`: for a caller that makes the same call every step)."""
+        found = kept.get(key)
+        if found is not None:
+            return found(*args)
+        out = self(*args)
+        direct = self.direct(*args)
+        if direct is not None:
+            kept[key] = direct
+        return out
+
 
 def _run(
     fn: Callable[..., Any],

@@ -146,6 +146,8 @@ class _Facts:
             tuple((self.shapes[i], self.dtypes[i], self.devices[i]) for i in self.staged),
             tuple(self.staged),
         )
+        self.kernels: dict[Any, Any] = {}
+        """The compiled kernels kept for these params (see ``Kernel.kept_call``)."""
         self.fused_add = _lists.fused_add_ok([ps[i] for i in self.staged])
         """Whether the staged params may take :func:`functional_opt._lists.add_into`'s fused
         route (where they are contiguous; the staging buffers' views it adds are, and of the
@@ -206,9 +208,11 @@ class PlainTreeStep:
             assert kernel is not None
             outs = [torch.empty_like(x) for x in given]
             one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
+            kept, code = self.known_kernels(), len(totals or ())
             for i in large:  # first: the staged step below may write the counters in place
                 state_i = [leaves[i] for leaves in per]
-                kernel(gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
+                args = (gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
+                kernel.kept_call(kept, (i, code), args)
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:
@@ -241,8 +245,12 @@ class PlainTreeStep:
         while True:
             kernel = self._partials_kernel(outer_spec, kinds, len(totals))
             assert kernel is not None  # (the state rebuilds: checked before)
+            kept, code = self.known_kernels(), -1 - len(totals)
             parts = [
-                kernel(gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals) for i in large
+                kernel.kept_call(
+                    kept, (i, code), (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
+                )
+                for i in large
             ]
             if loaded is not None:
                 grads, sub, params = loaded
@@ -252,6 +260,11 @@ class PlainTreeStep:
             totals.append(_lists.summed([p[0] for p in parts]))
             if len(parts[0]) == 1:
                 return totals
+
+    def known_kernels(self) -> dict[Any, Any]:
+        """The compiled kernels kept for the known params: by (leaf, kernel code)."""
+        assert self.known is not None
+        return self.known.kernels
 
     def _facts(self, ps: list[Any], gs: list[Any]) -> _Facts | None:
         """What the step needs to know of the params (made once for the same tensors at the

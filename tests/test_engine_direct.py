@@ -340,15 +340,17 @@ def _plain(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
 
 
 class _Calls:
+    """Counts the compiled per-leaf calls (each goes through ``Kernel.kept_call``)."""
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        original = fo.engine._kernels.Kernel.__call__
+        original = fo.engine._kernels.Kernel.kept_call
 
-        def spy(kernel: Any, *args: Any) -> Any:
+        def spy(kernel: Any, kept: Any, key: Any, args: Any) -> Any:
             self.count += 1
-            return original(kernel, *args)
+            return original(kernel, kept, key, args)
 
-        monkeypatch.setattr(fo.engine._kernels.Kernel, "__call__", spy)
+        monkeypatch.setattr(fo.engine._kernels.Kernel, "kept_call", spy)
 
 
 @pytest.mark.numerics
