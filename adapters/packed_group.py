@@ -60,7 +60,7 @@ from functional_opt.base import (
 )
 from functional_opt.engine import Runner
 from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
-from functional_opt.packed import Layout, Packed, pack
+from functional_opt.packed import Gather, Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
 
@@ -140,6 +140,9 @@ class PackedGroup:
                 torch.zeros(n, dtype=params[members[0]].dtype, device=device)
                 for n, members in zip(layout.sizes, order, strict=True)
             ]
+        self.grad_gather = Gather(self.layout, self.grads) if self.layout is not None else None
+        """Copies the packed params' gradients into the buffer (one ``torch.cat`` per run of
+        leaves of one shape)."""
         self.grad_views: list[Tensor | None] = self._views(self.grads, params)
         """Per param: its view of the gradient buffer (``None`` for a direct param, whose
         gradient is read where it is)."""
@@ -175,6 +178,8 @@ class PackedGroup:
         self.tx = tx
         self.params: list[Tensor] | None = None  # buffers of the params' values, if read
         self.param_views: list[Tensor] = []
+        self.param_gather: Gather | None = None
+        """Copies the packed params into :attr:`params` (a transform that reads them)."""
         self.probed = False
 
     def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor | None]:
@@ -264,7 +269,8 @@ class PackedGroup:
         # over them (the optimizer never writes the gradients).
         ours = not all(map(operator.is_, grads, grad_views))
         if ours:
-            torch._foreach_copy_(grad_views, grads)  # type: ignore[arg-type]
+            assert self.grad_gather is not None
+            self.grad_gather(grads)
         donate: dict[str, Any] = {DONATE: True if ours else STATE_ONLY}
         layout = self.layout
         assert layout is not None
@@ -272,7 +278,8 @@ class PackedGroup:
         if not self.probed:
             self._probe(updates, state)
         if self.params is not None:
-            torch._foreach_copy_(self.param_views, params)  # (read by the transform)
+            assert self.param_gather is not None
+            self.param_gather(params)  # (read by the transform)
             given = Packed(layout, buffers=self.params)
         else:  # a loose tree: copied into a buffer only if the transform reads it after all
             given = Packed(layout, tree=self.slots_type(params))
@@ -354,6 +361,7 @@ class PackedGroup:
         except (ValueError, TypeError):
             self.params = [torch.empty_like(b) for b in self.grads]
             self.param_views = updates.layout.views(self.params)  # type: ignore[union-attr,assignment]
+            self.param_gather = Gather(updates.layout, self.params)  # type: ignore[arg-type]
 
     def write_back(self, name: str, new: Any) -> None:
         """Copy a new packed state subtree into the buffers (when the transform returned other

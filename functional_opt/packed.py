@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -33,7 +33,7 @@ from torch import Tensor
 from functional_opt import tree
 from functional_opt.tree import PyTree
 
-__all__ = ["ALIGN", "MAX_RUNS", "Layout", "Packed", "Structure", "pack"]
+__all__ = ["ALIGN", "MAX_RUNS", "Gather", "Layout", "Packed", "Structure", "pack"]
 
 
 def digest(key: Any) -> int:
@@ -576,3 +576,41 @@ torch_pytree.register_pytree_node(
     _torch_unflatten,  # type: ignore[arg-type]
     serialized_type_name="functional_opt.packed.Packed",
 )
+
+
+class Gather:
+    """How leaves are copied into buffers of a layout, every step: each run of leaves of one
+    shape with one ``torch.cat`` into its stretch of the buffer, the others with one
+    ``torch._foreach_copy_`` into their views (over thousands of small leaves a per-tensor
+    copy's dispatch, about 1.5 us, costs more than the copy). ``Gather(layout, buffers)(leaves)``
+    takes the leaves in flattening order (no ``None`` leaves)."""
+
+    def __init__(self, layout: Layout, buffers: list[Tensor]) -> None:
+        self.cats: list[tuple[slice | list[int], Tensor]] = []
+        self.rest: list[int] = []
+        shapes = layout.shapes
+        for b, members in enumerate(layout.leaves_by_run()):
+            for (start, count, size), where in zip(layout.runs(b), members, strict=True):
+                ids = (
+                    list(range(where.start, where.stop))
+                    if isinstance(where, slice)
+                    else [int(k) for k in where]
+                )
+                first = shapes[ids[0]]
+                assert first is not None
+                if first.numel() and len(first) and all(shapes[i] == first for i in ids):
+                    out = buffers[b][start : start + count * size].view(
+                        count * first[0], *first[1:]
+                    )
+                    self.cats.append((where if isinstance(where, slice) else ids, out))
+                else:
+                    self.rest.extend(ids)
+        views = layout.views(buffers)
+        self.views = [cast(Tensor, views[i]) for i in self.rest]
+
+    def __call__(self, leaves: list[Tensor]) -> None:
+        for where, out in self.cats:
+            members = leaves[where] if isinstance(where, slice) else [leaves[i] for i in where]
+            torch.cat(members, out=out)
+        if self.rest:
+            torch._foreach_copy_(self.views, [leaves[i] for i in self.rest])

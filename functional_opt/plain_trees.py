@@ -38,7 +38,7 @@ from torch import Tensor
 from functional_opt import _kernels, _lists, tree
 from functional_opt.base import DONATE, GradientTransformation, OptState, leafwise_level
 from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
-from functional_opt.packed import Layout, Packed, pack
+from functional_opt.packed import Gather, Layout, Packed, pack
 
 __all__ = ["LEAF_MIN", "PlainTreeStep"]
 
@@ -59,9 +59,9 @@ class _Staging:
         self.layout: Layout = grads.layout.prepare()
         self.grads = list(grads.buffers)
         self.grad_views = cast(list[Tensor], self.layout.views(self.grads))
-        self.grad_plan = _Gather(self.layout, self.grads)
+        self.grad_plan = Gather(self.layout, self.grads)
         self.params: list[Tensor] | None = None
-        self.param_plan: _Gather | None = None
+        self.param_plan: Gather | None = None
         self.probed = False
         self.states: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         """By position among the per-parameter state entries: (buffers, leaf views)."""
@@ -83,43 +83,7 @@ class _Staging:
     def read_params(self) -> None:
         """Keep a buffer of the params' values (for a transform that reads them)."""
         self.params = [torch.empty_like(b) for b in self.grads]
-        self.param_plan = _Gather(self.layout, self.params)
-
-
-class _Gather:
-    """How leaves are copied into a layout's buffers: each run of leaves of one shape with one
-    ``torch.cat`` into its stretch of the buffer, the others with one ``torch._foreach_copy_``
-    into their views (a per-tensor copy's dispatch, about 1.5 us, dominates small leaves)."""
-
-    def __init__(self, layout: Layout, buffers: list[Tensor]) -> None:
-        self.cats: list[tuple[slice | list[int], Tensor]] = []
-        self.rest: list[int] = []
-        shapes = layout.shapes
-        for b, members in enumerate(layout.leaves_by_run()):
-            for (start, count, size), where in zip(layout.runs(b), members, strict=True):
-                ids = (
-                    list(range(where.start, where.stop))
-                    if isinstance(where, slice)
-                    else [int(k) for k in where]
-                )
-                first = shapes[ids[0]]
-                assert first is not None
-                if first.numel() and len(first) and all(shapes[i] == first for i in ids):
-                    out = buffers[b][start : start + count * size].view(
-                        count * first[0], *first[1:]
-                    )
-                    self.cats.append((where if isinstance(where, slice) else ids, out))
-                else:
-                    self.rest.extend(ids)
-        views = layout.views(buffers)
-        self.views = [cast(Tensor, views[i]) for i in self.rest]
-
-    def __call__(self, leaves: list[Tensor]) -> None:
-        for where, out in self.cats:
-            members = leaves[where] if isinstance(where, slice) else [leaves[i] for i in where]
-            torch.cat(members, out=out)
-        if self.rest:
-            torch._foreach_copy_(self.views, [leaves[i] for i in self.rest])
+        self.param_plan = Gather(self.layout, self.params)
 
 
 _DTYPE = operator.attrgetter("dtype")
