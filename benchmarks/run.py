@@ -465,6 +465,10 @@ COLD: list[tuple[str, int]] = [
     ("ours: TransformOptimizer(adam)", 1),
     ("ours: pure fused_step chain(clip_by_global_norm, adamw), packed", 0),
     ("ours: pure fused_step chain(clip_by_global_norm, adamw), packed", 1),
+    ("ours: pure fused_step adam, plain trees", 0),
+    ("ours: pure fused_step adam, plain trees", 1),
+    ("ours: pure fused_step chain(clip_by_global_norm, adamw), plain trees", 0),
+    ("ours: TransformOptimizer(chain(clip_by_global_norm, adamw))", 0),
 ]
 """The methods whose first step is timed with a cold compiler cache (``--cold``), each with the
 index of its workload in :func:`workloads`."""
