@@ -131,17 +131,12 @@ MAKERS: dict[str, tuple[Callable[[Any], TransformOptimizer], int]] = {
         lambda ps: TransformOptimizer(ps, fo.dreamerv3, lr=1e-2, warmup=2),
         DREAMERV3_ELEMENTWISE_OPS + 96 * 64 + 2,
     ),
-    # leafwise given the global norm (summed over every element of the model) and the finite
-    # check: the direct params take the totals from passes over all params first
+    # leafwise given the global norm (summed over every element of the model): the direct
+    # params take its total from passes over all params first (the finite check of
+    # apply_if_finite takes the same route: tested over plain trees below)
     "clip-adamw": (
         lambda ps: TransformOptimizer(
             ps, fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.1))
-        ),
-        _MODEL_NUMEL + 4,
-    ),
-    "finite-clip-adam": (
-        lambda ps: TransformOptimizer(
-            ps, fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(0.05), fo.adam(1e-2)), 2)
         ),
         _MODEL_NUMEL + 4,
     ),
