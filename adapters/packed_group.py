@@ -426,10 +426,7 @@ class PackedGroup:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):
                     parts.append(self.runner.partials(updates, state, given_params, {}, totals))
-            if not parts[0]:
-                return totals
-            totals.append(_lists.summed([p[0] for p in parts]))
-            if len(parts[0]) == 1:
+            if not _lists.next_total(totals, parts):
                 return totals
 
     def _step_direct(

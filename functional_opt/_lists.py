@@ -695,3 +695,13 @@ def across_total(partial: Tensor) -> Tensor:
 def summed(partials: Sequence[Tensor]) -> Tensor:
     """The total of the parts' partial values of one reduction (in their widest dtype)."""
     return stack(list(partials)).sum()
+
+
+def next_total(totals: list[Tensor], parts: Sequence[Sequence[Tensor]]) -> bool:
+    """One pass of the totals: ``parts`` holds each part's partial values from a pass with
+    ``totals`` given (the first exact); appends the next total and returns whether another
+    pass is needed (see :class:`Across`)."""
+    if not parts or not parts[0]:
+        return False
+    totals.append(summed([p[0] for p in parts]))
+    return len(parts[0]) > 1

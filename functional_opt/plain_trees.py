@@ -219,10 +219,7 @@ class PlainTreeStep:
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))
-            if not parts[0]:
-                return totals
-            totals.append(_lists.summed([p[0] for p in parts]))
-            if len(parts[0]) == 1:
+            if not _lists.next_total(totals, parts):
                 return totals
 
     def known_kernels(self) -> dict[Any, Any]:
