@@ -175,7 +175,6 @@ class PackedGroup:
         self.runner = Runner(tx)
         self.scratch: list[Tensor] | None = None
         self.scratch_views: list[Tensor] = []
-        self.tx = tx
         self.params: list[Tensor] | None = None  # buffers of the params' values, if read
         self.param_views: list[Tensor] = []
         self.param_gather: Gather | None = None
