@@ -31,8 +31,8 @@ SECOND_CPU_PATH ?= default
 PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
-	ATEN_CPU_CAPABILITY=$(SECOND_CPU_PATH) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m numerics
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	ATEN_CPU_CAPABILITY=$(SECOND_CPU_PATH) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m numerics
 
 test: lint typecheck pytest
 

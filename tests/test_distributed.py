@@ -93,6 +93,11 @@ CONFIGS = ("dreamerv3", "transform", "stepper")
 CHECKPOINTED = ("dreamerv3", "transform")
 JOB_TIMEOUT = 180  # seconds for one spawned job (it takes about 10)
 
+# The jobs are module fixtures, which pytest-xdist would run once per worker that gets a test of
+# this module (each job twice, ranks competing for the same cores): the module runs on one worker
+# (`--dist loadfile` or `loadgroup`; `make test` runs the suite by file).
+pytestmark = pytest.mark.xdist_group("distributed")
+
 # ----------------------------------------------------------------------------------------------
 # Rounding counts (the rule's ``ops``, in float32 roundings per implementation; see conftest).
 
