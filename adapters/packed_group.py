@@ -54,9 +54,13 @@ from functional_opt.base import (
     DONATE,
     STATE_ONLY,
     GradientTransformation,
+    Stages,
     fusable,
     leafwise,
     leafwise_level,
+    staged,
+    stages,
+    zero_updates,
 )
 from functional_opt.engine import Runner
 from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
@@ -105,9 +109,10 @@ class PackedGroup:
         self.direct: list[int] = []
         """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
         self.tx = tx
-        self.leaf_steps: dict[int, _kernels.Kernel] = {}
-        """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes;
-        with ``-1 - k`` the pass giving their partials with ``k`` totals (:func:`leaf_partials`)."""
+        self.leaf_steps: dict[tuple[int, Stages], _kernels.Kernel] = {}
+        """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes
+        and the transform's stages; with ``-1 - k`` the pass giving their partials with ``k``
+        totals (:func:`leaf_partials`)."""
         self.reduces = leafwise_level(tx) == 1
         """Whether the direct params need the totals of the update's reductions over the whole
         group first (see :class:`functional_opt._lists.Across`)."""
@@ -168,7 +173,7 @@ class PackedGroup:
         sharded group)."""
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
-        self.leaf_kernels: dict[tuple[int, int], Callable[..., Any]] = {}
+        self.leaf_kernels: dict[tuple[int, int, Stages], Callable[..., Any]] = {}
         """Per direct param and kernel (the code of :meth:`_leaf_kernel`), the compiled kernel
         once it is called without dynamo."""
         # one runner for every kind of call (its compiled steps are keyed by the call's kind)
@@ -241,13 +246,18 @@ class PackedGroup:
             params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
             grads = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
         self.steps += 1
+        # the stages the transform declares for this step (read before anything is written):
+        # the direct params' kernels are compiled and run per stage
+        found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if self.direct else ()
         loaded = self._load(params, grads, outer) if self.layout is not None else None
         totals: list[Tensor] = []
         if self.direct and self.reduces:
-            totals = self._totals(params, grads, outer, loaded)
+            with staged(found):
+                totals = self._totals(params, grads, outer, loaded, found)
         if self.direct:
             # first: the packed update may write the group's counters in place
-            news = self._step_direct(params, grads, outer, ratio, totals)
+            with staged(found):
+                news = self._step_direct(params, grads, outer, ratio, totals, found)
             if loaded is None:
                 return optree.tree_unflatten(self.spec, news)
         assert loaded is not None
@@ -296,7 +306,10 @@ class PackedGroup:
         layout = self.layout
         assert layout is not None
         given_totals = totals or None
-        if self.apply_inside and not isinstance(ratio, Tensor) and ratio == 1.0:
+        # an update of negative zeros (a mini-step that only accumulates) leaves the params as
+        # they are, bit for bit: not added (read before the step writes the counters)
+        zero = zero_updates(self.tx, stages(self.tx, state))
+        if self.apply_inside and not zero and not isinstance(ratio, Tensor) and ratio == 1.0:
             _, new_state = self._run(
                 updates, state, given, donate, list(params), totals=given_totals
             )
@@ -308,7 +321,8 @@ class PackedGroup:
             _, new_state = self._run(
                 updates, state, given, donate, self.scratch, True, True, totals=given_totals
             )
-            _add(params, self.scratch_views, ratio, self._fused(params))
+            if not zero:
+                _add(params, self.scratch_views, ratio, self._fused(params))
             return new_state
         new_updates, new_state = self._run(updates, state, given, donate, totals=given_totals)
         fused = False
@@ -321,7 +335,8 @@ class PackedGroup:
             views = tree.leaves(
                 new_updates.tree if isinstance(new_updates, Packed) else new_updates
             )
-        _add(params, views, ratio, fused)  # type: ignore[arg-type]
+        if not zero:
+            _add(params, views, ratio, fused)  # type: ignore[arg-type]
         return new_state
 
     def _fused(self, params: list[Tensor]) -> bool:
@@ -374,20 +389,23 @@ class PackedGroup:
             if value is not old:
                 old.copy_(value)
 
-    def _leaf_kernel(self, code: int) -> _kernels.Kernel | None:
+    def _leaf_kernel(self, code: int, found: Stages = ()) -> _kernels.Kernel | None:
         """The direct params' compiled step taking ``code`` totals, or (``code < 0``) their
-        partials pass with ``-1 - code`` totals; ``None`` for a state it cannot rebuild."""
-        if code not in self.leaf_steps:
+        partials pass with ``-1 - code`` totals, for the transform's stages ``found``; ``None``
+        for a state it cannot rebuild."""
+        key = (code, found)
+        if key not in self.leaf_steps:
             kinds = [kind for kind, _ in self.slots]
             fn: Callable[..., Any] | None
             if code >= 0:
-                fn = leaf_step(self.tx, self.outline, kinds, code)
+                apply = not zero_updates(self.tx, found)
+                fn = leaf_step(self.tx, self.outline, kinds, code, apply)
             else:
                 fn = leaf_partials(self.tx, self.outline, kinds, -1 - code)
             if fn is None:
                 return None
-            self.leaf_steps[code] = _kernels.Kernel(fn)
-        return self.leaf_steps[code]
+            self.leaf_steps[key] = _kernels.Kernel(fn)
+        return self.leaf_steps[key]
 
     def _totals(
         self,
@@ -395,6 +413,7 @@ class PackedGroup:
         grads: list[Tensor],
         outer: list[Any],
         loaded: tuple[Packed, Any, Packed, dict[str, Any]] | None,
+        found: Stages,
     ) -> list[Tensor]:
         """The totals over the group of the update's reductions: pass ``k`` sums the partial
         values of reduction ``k`` (the totals before it given) of each direct param (one
@@ -405,12 +424,12 @@ class PackedGroup:
         totals: list[Tensor] = []
         while True:
             code = -1 - len(totals)
-            kernel = self._leaf_kernel(code)
+            kernel = self._leaf_kernel(code, found)
             assert kernel is not None
             parts = [
                 kernel.kept_call(
                     self.leaf_kernels,
-                    (i, code),
+                    (i, code, found),
                     (
                         grads[i],
                         params[i],
@@ -435,14 +454,15 @@ class PackedGroup:
         outer: list[Any],
         ratio: float | Tensor,
         totals: list[Tensor],
+        found: Stages,
     ) -> list[Any]:
         """The direct params, one compiled call each (:func:`leaf_step`): the transform's
         update of that param alone, its state written in place and ``p + ratio u`` into its
-        own storage; its gradient is read where it is and never written. Returns ``outer``
-        with the new values of the state that is not per parameter (every call computes the
-        same ones)."""
+        own storage (not where the stage's update is negative zeros); its gradient is read
+        where it is and never written. Returns ``outer`` with the new values of the state that
+        is not per parameter (every call computes the same ones)."""
         kinds = [kind for kind, _ in self.slots]
-        step = self._leaf_kernel(len(totals))
+        step = self._leaf_kernel(len(totals), found)
         assert step is not None
         if not self.leaf_outs:
             self.leaf_outs = [
@@ -458,7 +478,7 @@ class PackedGroup:
         for i in self.direct:
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
-            step.kept_call(self.leaf_kernels, (i, len(totals)), (*args, *totals))
+            step.kept_call(self.leaf_kernels, (i, len(totals), found), (*args, *totals))
         news = iter([x.clone() for x in self.leaf_outs])
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -243,21 +243,51 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     ),
     # the chain's definition compiled by the engine, next to the hand-fused DreamerV3Optimizer
     "dreamerv3": lambda: fo.dreamerv3(1e-4, warmup=0),
+    # the wrappers (issue 16's "also fast"): a finite check around the clip chain; gradient
+    # accumulation, where the median call is a mini-step (3 calls in 4 only accumulate); a
+    # partition of the params by rank
+    "apply_if_finite(chain(clip_by_global_norm, adamw))": lambda: fo.apply_if_finite(
+        fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-4, weight_decay=1e-2)), 3
+    ),
+    "MultiSteps(adamw, 4), a mini-step": lambda: fo.multi_steps(
+        fo.adamw(1e-4, weight_decay=1e-2), 4
+    ),
+    "partition(adam: matrices, sgd momentum: vectors)": lambda: fo.chain(
+        fo.partition(
+            {"adam": fo.scale_by_adam(), "sgd": fo.trace(0.9)},
+            lambda ps: fo.tree_map(lambda x: "adam" if x.ndim > 1 else "sgd", ps),
+        ),
+        fo.scale_by_learning_rate(1e-4),
+    ),
 }
 """The chains of the engine's targets (issue 16)."""
 
 
 def ours_transform_optimizer(
-    params: list[torch.nn.Parameter], chain: str, bucket: bool = False, fused: bool = True
+    params: list[torch.nn.Parameter],
+    chain: str,
+    bucket: bool = False,
+    fused: bool = True,
+    vary_lr: bool = False,
 ) -> Step:
     """``TransformOptimizer`` of a ready-made chain. By default the gradients are separate
     tensors each step (what ``zero_grad()``'s default, set_to_none, gives) and are copied into
     the engine's flat buffer; ``bucket``: the gradients are views of that buffer (bucket views,
-    as after ``zero_grad(set_to_none=False)``), so the step copies nothing."""
+    as after ``zero_grad(set_to_none=False)``), so the step copies nothing. ``vary_lr``: the
+    group's ``lr`` changes before every step, as an LR scheduler changes it (it must not
+    recompile)."""
     from functional_opt.adapters import TransformOptimizer
 
     opt = TransformOptimizer(params, CHAINS[chain]())
     opt.fused_steps = fused
+    if vary_lr:
+        group = opt.param_groups[0]
+
+        def scheduled() -> None:
+            group["lr"] = group["lr"] * 0.999
+            opt.step()
+
+        return scheduled
     if not bucket:
         return lambda: opt.step()
     opt.step()
@@ -346,6 +376,9 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: TransformOptimizer(adam), per-tensor path (before the engine)": functools.partial(
         ours_transform_optimizer, chain="adam", fused=False
     ),
+    "ours: TransformOptimizer(adamw), lr changed before every step": functools.partial(
+        ours_transform_optimizer, chain="adamw", vary_lr=True
+    ),
     **{
         f"ours: pure fused {c}, packed, donated": functools.partial(
             ours_pure_chain, chain=c, engine=True
@@ -360,7 +393,17 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
         f"ours: pure fused_step {c}, plain trees": functools.partial(
             ours_fused_step, chain=c, packed=False
         )
-        for c in ("adam", "adamw", "sgd momentum", "dreamerv3", "chain(clip_by_global_norm, adamw)")
+        for c in (
+            "adam",
+            "adamw",
+            "sgd momentum",
+            "dreamerv3",
+            "chain(clip_by_global_norm, adamw)",
+            "adamw, no decay on vectors",
+            "apply_if_finite(chain(clip_by_global_norm, adamw))",
+            "MultiSteps(adamw, 4), a mini-step",
+            "partition(adam: matrices, sgd momentum: vectors)",
+        )
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(
         ours_pure_chain, chain="chain(clip_by_global_norm, adamw)", engine=False

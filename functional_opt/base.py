@@ -35,6 +35,7 @@ __all__ = [
     "declare_leafwise",
     "declare_stages",
     "declare_step_size",
+    "declare_zero_updates",
     "describe",
     "donating",
     "donating_updates",
@@ -54,6 +55,7 @@ __all__ = [
     "step_size",
     "without_donation",
     "zero_count",
+    "zero_updates",
 ]
 
 Params = PyTree
@@ -448,6 +450,28 @@ def current_stage(key: int) -> Hashable | None:
     """The value the engine set for ``key`` with :func:`staged`, or ``None``. Read while
     ``torch.compile`` traces, it is a Python constant of the graph (guarded by dynamo)."""
     return _CURRENT.get(key)
+
+
+_ZERO_UPDATES = "__functional_opt_zero_updates__"
+
+
+def declare_zero_updates(
+    update: Callable[..., Any], when: Callable[[Stages], bool]
+) -> Callable[..., Any]:
+    """Declares that in the stages for which ``when(stages)`` is true (``stages`` as
+    :func:`stages` reads them before a step) ``update`` returns a negative zero for every
+    element of every leaf, whatever its inputs: ``p + u`` is then ``p`` bit for bit, so the
+    engine skips adding the update into the params (``MultiSteps``' mini-steps that only
+    accumulate). Returns ``update``."""
+    setattr(update, _ZERO_UPDATES, when)
+    return update
+
+
+def zero_updates(tx: GradientTransformation, found: Stages) -> bool:
+    """Whether ``tx``'s update in the stages ``found`` is negative zeros throughout (see
+    :func:`declare_zero_updates`); ``False`` for a transform that declares nothing."""
+    when = getattr(tx.update, _ZERO_UPDATES, None)
+    return bool(when is not None and found and when(found))
 
 
 def _member_stages(transforms: tuple[GradientTransformation, ...], state: Any) -> Stages:

@@ -35,7 +35,11 @@ writes their same new values (see :func:`leaf_step`)."""
 
 
 def leaf_step(
-    tx: GradientTransformation, outline: Any, kinds: list[str], totals: int = 0
+    tx: GradientTransformation,
+    outline: Any,
+    kinds: list[str],
+    totals: int = 0,
+    apply: bool = True,
 ) -> Callable[..., None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
@@ -48,6 +52,11 @@ def leaf_step(
     :func:`functional_opt.base.leafwise` with ``reductions=True``): how many totals of its
     reductions over all leaves the step takes, in order (:func:`leaf_partials` makes them); the
     update then runs within :func:`functional_opt._lists.across_parts`.
+
+    ``apply=False``: the param is not written (for a stage whose update is negative zeros
+    throughout, :func:`functional_opt.base.zero_updates`: ``p + u`` would be ``p``). A
+    transform that declares stages (:func:`functional_opt.base.declare_stages`) is traced
+    under the caller's :func:`functional_opt.base.staged`, one compiled step per stage.
 
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
@@ -75,8 +84,9 @@ def leaf_step(
         finally:
             if across:
                 _lists.across_parts(old)
-        u = tree.leaves(updates)[0]
-        p.copy_((p + ratio * u).to(p.dtype))
+        if apply:
+            u = tree.leaves(updates)[0]
+            p.copy_((p + ratio * u).to(p.dtype))
         state_in = iter(args[:n_param])
         new_leaves: list[Any] = []
         shape.leaves(new, new_leaves)

@@ -36,7 +36,16 @@ import torch
 from torch import Tensor
 
 from functional_opt import _kernels, _lists, tree
-from functional_opt.base import DONATE, GradientTransformation, OptState, leafwise_level
+from functional_opt.base import (
+    DONATE,
+    GradientTransformation,
+    OptState,
+    Stages,
+    leafwise_level,
+    stages,
+    zero_updates,
+)
+from functional_opt.base import staged as staged_as
 from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -157,7 +166,10 @@ class PlainTreeStep:
         outer, outer_spec, kinds, per, self.seen = split
         large, staged = facts.large, facts.staged
         across = self.reduces and bool(large)  # (all staged: one update of the whole tree)
-        if large and self._kernel(outer_spec, kinds, 0) is None:
+        # the stages the transform declares for this step (read before anything is written):
+        # the large leaves' kernels are compiled and run per stage
+        found = stages(self.tx, state) if large else ()
+        if large and self._kernel(outer_spec, kinds, 0, found) is None:
             return None  # (a state it cannot rebuild)
         # everything that can refuse comes before anything is written
         prepared = self._prepare(gs, spec, facts, per) if staged else None
@@ -165,18 +177,20 @@ class PlainTreeStep:
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         totals: list[Tensor] | None = None
         if across:
-            totals = self._totals(ps, gs, per, given, large, outer_spec, kinds, loaded)
+            with staged_as(found):
+                totals = self._totals(ps, gs, per, given, large, outer_spec, kinds, loaded, found)
         new_outer = list(outer)
         if large:
-            kernel = self._kernel(outer_spec, kinds, len(totals or ()))
+            kernel = self._kernel(outer_spec, kinds, len(totals or ()), found)
             assert kernel is not None
             outs = [torch.empty_like(x) for x in given]
             one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
             kept, code = self.known_kernels(), len(totals or ())
-            for i in large:  # first: the staged step below may write the counters in place
-                state_i = [leaves[i] for leaves in per]
-                args = (gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
-                kernel.kept_call(kept, (i, code), args)
+            with staged_as(found):
+                for i in large:  # first: the staged step below may write the counters in place
+                    state_i = [leaves[i] for leaves in per]
+                    args = (gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
+                    kernel.kept_call(kept, (i, code, found), args)
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:
@@ -200,6 +214,7 @@ class PlainTreeStep:
         outer_spec: Any,
         kinds: list[str],
         loaded: tuple[Packed, Any, Packed] | None,
+        found: Stages,
     ) -> list[Tensor]:
         """The totals over the whole tree of the update's reductions (a transform leafwise
         given them): pass ``k`` sums the parts' partial values of reduction ``k`` with the
@@ -207,12 +222,14 @@ class PlainTreeStep:
         staged buffers; a pass reads only what that reduction needs). Writes nothing."""
         totals: list[Tensor] = []
         while True:
-            kernel = self._partials_kernel(outer_spec, kinds, len(totals))
+            kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
             assert kernel is not None  # (the state rebuilds: checked before)
             kept, code = self.known_kernels(), -1 - len(totals)
             parts = [
                 kernel.kept_call(
-                    kept, (i, code), (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
+                    kept,
+                    (i, code, found),
+                    (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals),
                 )
                 for i in large
             ]
@@ -260,23 +277,29 @@ class PlainTreeStep:
             return None  # (a large leaf's gradient is read in place)
         return facts
 
-    def _kernel(self, outer_spec: Any, kinds: list[str], totals: int) -> _kernels.Kernel | None:
+    def _kernel(
+        self, outer_spec: Any, kinds: list[str], totals: int, found: Stages
+    ) -> _kernels.Kernel | None:
         """The compiled step of one large leaf for this state's outline, taking ``totals``
-        reductions' totals (``None``: a state it cannot rebuild)."""
+        reductions' totals, in the transform's stages ``found`` (``None``: a state it cannot
+        rebuild)."""
         outline = optree.tree_unflatten(outer_spec, kinds)
-        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds), totals
+        spec = optree.tree_structure(outline, namespace=tree.NAMESPACE)
+        key = spec, tuple(kinds), totals, found
         if key not in self.kernels:
-            fn = leaf_step(self.tx, outline, kinds, totals)
+            apply = not zero_updates(self.tx, found)
+            fn = leaf_step(self.tx, outline, kinds, totals, apply)
             self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
         return self.kernels[key]
 
     def _partials_kernel(
-        self, outer_spec: Any, kinds: list[str], known: int
+        self, outer_spec: Any, kinds: list[str], known: int, found: Stages
     ) -> _kernels.Kernel | None:
         """The compiled pass of one large leaf giving its partials with ``known`` totals given
-        (:func:`functional_opt.leaf_step.leaf_partials`)."""
+        (:func:`functional_opt.leaf_step.leaf_partials`), in the stages ``found``."""
         outline = optree.tree_unflatten(outer_spec, kinds)
-        key = optree.tree_structure(outline, namespace=tree.NAMESPACE), tuple(kinds), -1 - known
+        spec = optree.tree_structure(outline, namespace=tree.NAMESPACE)
+        key = spec, tuple(kinds), -1 - known, found
         if key not in self.kernels:
             fn = leaf_partials(self.tx, outline, kinds, known)
             self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
@@ -361,6 +384,8 @@ class PlainTreeStep:
         staged = facts.staged
         staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
         grads, sub, given = loaded
+        # (read before the step, which may write the counters in place)
+        zero = zero_updates(self.tx, stages(self.tx, sub))
         updates, new_sub = self.runner(grads, sub, given, {DONATE: True}, totals=totals)
         # (checked each step: an in-place transpose keeps a param's address)
         fused = facts.fused_add and all(map(Tensor.is_contiguous, staged_ps))
@@ -378,7 +403,8 @@ class PlainTreeStep:
                 tree.leaves(updates.tree if isinstance(updates, Packed) else updates),
                 False,
             )
-        _lists.add_into(staged_ps, views, fused=fused)
+        if not zero:  # (negative zeros leave every param as it is, bit for bit)
+            _lists.add_into(staged_ps, views, fused=fused)
         new_entries = outer_spec.flatten_up_to(new_sub)
         positions = iter(range(len(states)))
         for n, k in enumerate(kinds):

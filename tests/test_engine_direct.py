@@ -40,6 +40,7 @@ LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
         fo.clip_by_agc(0.3), fo.scale_by_rms(0.99), fo.clip(0.5), fo.scale(-1e-2)
     ),
     "injected-adam": lambda: fo.inject_hyperparams(fo.adam)(learning_rate=1e-2),
+    "multi-steps": lambda: fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation(),
     "scheduled": lambda: fo.chain(
         fo.scale_by_adam(), fo.scale_by_learning_rate(fo.cosine_decay_schedule(1e-2, 10))
     ),
@@ -49,7 +50,10 @@ NOT_LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
     "global-norm-clip": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)),
     "masked-decay": lambda: fo.adamw(1e-2, weight_decay=0.1, mask=[True, False, True]),
     "apply-if-finite": lambda: fo.apply_if_finite(fo.adam(1e-2), 3),
-    "multi-steps": lambda: fo.MultiSteps(fo.adam(1e-2), 2).gradient_transformation(),
+    # (a window over a global-norm clip: the clip looks across leaves, on emitting steps)
+    "multi-steps": lambda: fo.MultiSteps(
+        fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)), 2
+    ).gradient_transformation(),
 }
 
 
@@ -209,11 +213,11 @@ def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
         model(torch.randn(4, 16)).pow(2).mean().backward()
         opt.step()
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
-    compiled = list(engine.leaf_steps[0].compiled.values())
+    compiled = list(engine.leaf_steps[0, ()].compiled.values())
     assert len(compiled) == 1
     assert compiled[0]._graphs == 1
     assert compiled[0].direct is not None
-    assert {i for i, _ in engine.leaf_kernels} == set(engine.direct)  # kept, called straight
+    assert {key[0] for key in engine.leaf_kernels} == set(engine.direct)  # kept, called straight
 
 
 @pytest.mark.numerics
@@ -387,6 +391,69 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
     assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
     assert [x.data_ptr() for x in tree.leaves(state) if x.numel() >= 1000] == large_state
     assert [x.data_ptr() for x in tree.leaves(state) if x.ndim] == state_ptrs
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("route", ["fused_step", "adapter"])
+def test_a_mini_step_only_accumulates_and_writes_no_param(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MultiSteps`` of a leafwise transform is leafwise: its large leaves take the direct
+    route, one compiled step per stage (a mini-step that only accumulates, the emitting one).
+    A mini-step writes no param at all (their version counters stay), large or staged, and the
+    emitting one agrees with ``update`` + ``apply_updates`` (or the per-tensor path) within
+    rounding: the window's accumulation, then Adam."""
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
+    calls = _Calls(monkeypatch)
+
+    def make() -> fo.GradientTransformation:
+        return fo.MultiSteps(fo.adamw(1e-2, weight_decay=0.1), 2).gradient_transformation()
+
+    tx = make()
+    assert leafwise(tx)
+    params, ref = _plain(0), _plain(0)
+    opt: Any = None
+    if route == "adapter":
+        flat = tree.leaves(params)
+        opt = _direct(lambda ps: TransformOptimizer(ps, make()), flat)
+        state: Any = None
+    else:
+        state = tx.init(params)
+        step = fo.fused_step(tx)
+    ref_state = tx.init(ref)
+    leaves = tree.leaves(params)
+    for k in range(4):
+        grads = _plain(20 + k)
+        versions = [p._version for p in leaves]
+        before = [p.clone() for p in leaves]
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        if opt is not None:
+            for p, g in zip(leaves, tree.leaves(grads), strict=True):
+                p.grad = g
+            opt.step()
+        else:
+            params, state = step(params, grads, state)
+        if k % 2 == 0:  # a mini-step
+            assert [p._version for p in leaves] == versions
+            assert_bitwise(leaves, before)
+        else:  # the window's mean (3 roundings per mini-step), then AdamW, then p + u
+            assert_close_rounding(
+                leaves,
+                tree.leaves(ref),
+                dtype=torch.float32,
+                ops=(ELEMENTWISE_OPS + 3 * 2) * (k // 2 + 1) + 2,
+                scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
+            )
+        with torch.no_grad():  # lockstep: each window starts from the reference's params
+            for p, q in zip(leaves, tree.leaves(ref), strict=True):
+                p.copy_(q)
+    if opt is not None:
+        engine = opt._layouts[0].engine
+        assert len(engine.direct) == 3
+        assert len({key[2] for key in engine.leaf_kernels}) == 2  # a kernel per stage
+    else:
+        assert calls.count == 4 * 3  # the three large leaves, each step
 
 
 _DICT_MASKED = {  # a decay mask over _plain's tree (not leafwise: it depends on the tree)

@@ -18,13 +18,16 @@ from functional_opt.base import (
     accepting,
     current_stage,
     declare_fusable,
+    declare_leafwise,
     declare_stages,
     declare_step_size,
+    declare_zero_updates,
     donating,
     expect_state,
     extra_keywords,
     fusable,
     inner_step_size,
+    leafwise_level,
     safe_increment,
     stages,
     state_donation,
@@ -317,9 +320,13 @@ class MultiSteps:
         )
 
         # Host reads: free on a CPU counter; with None leaves also made on another device (one
-        # sync), since the updates' structure then depends on them. Never under compile or vmap.
-        branch = _can_branch(mini) or (bool(absent) and _eager(mini))
-        if branch and not bool(emit):
+        # sync), since the updates' structure then depends on them. Never under compile or vmap,
+        # where the stage the engine compiles for (every leaf present) tells instead.
+        known = current_stage(self._stage_key) if torch.compiler.is_compiling() else None
+        if absent:
+            known = None
+        branch = known is not None or _can_branch(mini) or (bool(absent) and _eager(mini))
+        if branch and not (bool(emit) if known is None else known):
             # Eager mini-step: nothing is emitted, so the inner transform does not run.
             zeros = at.updates(negative_zeros_like(g))
             return zeros, MultiStepsState(
@@ -477,6 +484,13 @@ class MultiSteps:
         # function is the user's and sees leaves.
         declare_fusable(update, lambda: self._should_skip is None and fusable(self._opt))
         declare_stages(update, self.stages)
+        # a mini-step known not to emit returns negative zeros (see update)
+        declare_zero_updates(update, lambda found: (self._stage_key, False) in found)
+        # each leaf's accumulator and inner update are its own (the counters are shared); a
+        # should-skip function sees the whole tree
+        declare_leafwise(
+            update, lambda: 0 if self._should_skip is not None else leafwise_level(self._opt)
+        )
         return GradientTransformation(self.init, accepting(update, self._accepted))
 
 
