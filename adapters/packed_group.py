@@ -63,7 +63,13 @@ from functional_opt.base import (
     zero_updates,
 )
 from functional_opt.engine import Runner
-from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
+from functional_opt.leaf_step import (
+    GIVEN,
+    gradient_squares,
+    gradient_squares_pass,
+    leaf_partials,
+    leaf_step,
+)
 from functional_opt.packed import Gather, Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
@@ -173,6 +179,9 @@ class PackedGroup:
         sharded group)."""
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
+        self.squares_passes: dict[tuple[int, Stages], int] = {}
+        """Per partials pass (code, stages): how many partials it gives where it is a norm of
+        the gradients (:func:`gradient_squares`), else 0."""
         self.leaf_kernels: dict[tuple[int, int, Stages], Callable[..., Any]] = {}
         """Per direct param and kernel (the code of :meth:`_leaf_kernel`), the compiled kernel
         once it is called without dynamo."""
@@ -426,20 +435,25 @@ class PackedGroup:
             code = -1 - len(totals)
             kernel = self._leaf_kernel(code, found)
             assert kernel is not None
-            parts = [
-                kernel.kept_call(
-                    self.leaf_kernels,
-                    (i, code, found),
-                    (
-                        grads[i],
-                        params[i],
-                        *[self.state_views[name][i] for name in names],
-                        *given,
-                        *totals,
-                    ),
+
+            def args(i: int) -> tuple[Tensor, ...]:
+                state = [self.state_views[name][i] for name in names]
+                return (grads[i], params[i], *state, *given, *totals)
+
+            key = (code, found)
+            if key not in self.squares_passes:
+                first = args(self.direct[0])
+                self.squares_passes[key] = gradient_squares(
+                    self.tx, self.outline, kinds, -1 - code, first
                 )
-                for i in self.direct
-            ]
+            count = self.squares_passes[key]
+            if count:  # a norm of the gradients: one multi-tensor norm
+                parts = gradient_squares_pass([grads[i] for i in self.direct], count)
+            else:
+                parts = [
+                    kernel.kept_call(self.leaf_kernels, (i, code, found), args(i))
+                    for i in self.direct
+                ]
             if loaded is not None:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):

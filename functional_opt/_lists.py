@@ -439,7 +439,7 @@ def global_norm(xs: Sequence[Tensor]) -> Tensor:
     :func:`sharded_reductions` over the whole tensors (one collective); within
     :func:`across_parts` over the whole tree (see :class:`Across`)."""
     if _ACROSS is not None:
-        return across_total(squares_sum(xs)).sqrt()
+        return across_total(squares_sum(xs), ("squares", list(xs))).sqrt()
     if not xs:
         return torch.zeros(())
     if _SHARDED is not None:
@@ -469,7 +469,8 @@ def all_finite(xs: Sequence[Tensor]) -> Tensor:
     if _ACROSS is not None:
         flags = _finite_flags(xs)
         local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
-        return across_total(local.logical_not().sum(dtype=torch.float32)) == 0
+        count = local.logical_not().sum(dtype=torch.float32)
+        return across_total(count, ("non-finite", list(xs))) == 0
     if _SHARDED is not None:  # (a collective even where this rank holds no element)
         flags = _finite_flags(xs)
         local = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
@@ -658,11 +659,15 @@ class Across:
     made active inside the code the engine compiles (:func:`across_parts`), so the totals are
     inputs of the graph and the partials its outputs."""
 
-    __slots__ = ("count", "given", "partials")
+    __slots__ = ("count", "given", "partials", "sources")
 
     def __init__(self, given: Sequence[Tensor]) -> None:
         self.given = list(given)
         self.partials: list[Tensor] = []
+        self.sources: list[tuple[str, list[Tensor]]] = []
+        """For each partial: what it is of, ``("squares", xs)`` (:func:`global_norm`'s sum of
+        squares of the tensors ``xs``) or ``("non-finite", xs)`` (:func:`all_finite`'s count),
+        for the engine to recognize a pass it can run as one multi-tensor op."""
         self.count = 0
 
 
@@ -679,9 +684,9 @@ def across_parts(value: Across | None) -> Across | None:
     return old
 
 
-def across_total(partial: Tensor) -> Tensor:
+def across_total(partial: Tensor, source: tuple[str, list[Tensor]]) -> Tensor:
     """Within :func:`across_parts`: the next reduction's total (given), else ``partial``, which
-    is recorded (see :class:`Across`)."""
+    is recorded with its ``source`` (see :class:`Across`)."""
     active = _ACROSS
     assert active is not None
     k = active.count
@@ -689,6 +694,7 @@ def across_total(partial: Tensor) -> Tensor:
     if k < len(active.given):
         return active.given[k].to(partial.dtype)
     active.partials.append(partial)
+    active.sources.append(source)
     return partial
 
 

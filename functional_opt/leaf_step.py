@@ -22,12 +22,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor
 
 from functional_opt import _lists, tree
 from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leafwise
 
-__all__ = ["GIVEN", "Rebuild", "leaf_partials", "leaf_step"]
+__all__ = [
+    "GIVEN",
+    "Rebuild",
+    "gradient_squares",
+    "gradient_squares_pass",
+    "leaf_partials",
+    "leaf_step",
+]
 
 GIVEN = ("group", "hyper")
 """The kinds of state leaves that are not per parameter: each step gets them, and every call
@@ -111,13 +119,56 @@ def leaf_partials(
     :class:`functional_opt._lists.Across`). Writes nothing. The arguments are
     :func:`leaf_step`'s (without ``ratio`` and ``outs``); compiled, what the returned partials
     do not need is left out (for ``clip_by_global_norm`` first in a chain: a pass over ``g``)."""
+    run = _partials_run(tx, outline, kinds, known)
+    if run is None:
+        return None
+
+    def partials(g: Tensor, p: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
+        return tuple(run(g, p, args).partials)
+
+    return partials
+
+
+def gradient_squares(
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, args: tuple[Any, ...]
+) -> int:
+    """Whether a pass of :func:`leaf_partials` is, for what it gives, a norm of the gradient:
+    the number of partials it returns when the first is the sum of squares of the param's
+    gradient as given (a float32 or float64 one), else 0. Then the pass over many params is
+    :func:`gradient_squares_pass`, one multi-tensor norm (the same torch norm, the same bits,
+    without a compiled call per param). Found by running the update once, eagerly, on the
+    partials pass's arguments ``args`` of one param; writes nothing."""
+    run = _partials_run(tx, outline, kinds, known)
+    g = args[0]
+    if run is None or g.dtype not in (torch.float32, torch.float64):
+        return 0
+    across = run(g, args[1], args[2:])
+    if not across.sources:
+        return 0
+    kind, xs = across.sources[0]
+    return len(across.partials) if kind == "squares" and len(xs) == 1 and xs[0] is g else 0
+
+
+def gradient_squares_pass(grads: list[Tensor], count: int) -> list[tuple[Tensor, ...]]:
+    """The partials of a pass that :func:`gradient_squares` recognized (``count`` of them per
+    param), for the params with gradients ``grads``: each first one ``||g||^2``, the later ones
+    (stand-ins, see :class:`functional_opt._lists.Across`) the same value."""
+    return [(n.square(),) * count for n in _lists.local_norms(grads)]
+
+
+def _partials_run(
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int
+) -> Callable[[Tensor, Tensor, tuple[Tensor, ...]], _lists.Across] | None:
+    """``run(g, p, args)``: ``tx.update`` of the one-param tree ``[g]`` (state from ``args``, as
+    :func:`leaf_partials` takes them) within an :class:`functional_opt._lists.Across` with the
+    first ``known`` totals given; returns it, holding the partials of the others."""
     shape = _rebuild(outline)
     if shape is None:
         return None
     n_param = kinds.count("param")
     n_given = sum(k in GIVEN for k in kinds)
 
-    def partials(g: Tensor, p: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
+    def run(g: Tensor, p: Tensor, args: tuple[Tensor, ...]) -> _lists.Across:
         state_in = iter(args[:n_param])
         given = iter(args[n_param : n_param + n_given])
         leaves = [
@@ -130,9 +181,9 @@ def leaf_partials(
             tx.update([g], shape.build(iter(leaves)), [p])
         finally:
             _lists.across_parts(old)
-        return tuple(across.partials)
+        return across
 
-    return partials
+    return run
 
 
 def _rebuild(outline: Any) -> Rebuild | None:

@@ -46,7 +46,13 @@ from functional_opt.base import (
     zero_updates,
 )
 from functional_opt.base import staged as staged_as
-from functional_opt.leaf_step import GIVEN, leaf_partials, leaf_step
+from functional_opt.leaf_step import (
+    GIVEN,
+    gradient_squares,
+    gradient_squares_pass,
+    leaf_partials,
+    leaf_step,
+)
 from functional_opt.packed import Gather, Layout, Packed, pack
 
 __all__ = ["LEAF_MIN", "PlainTreeStep"]
@@ -225,14 +231,18 @@ class PlainTreeStep:
             kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
             assert kernel is not None  # (the state rebuilds: checked before)
             kept, code = self.known_kernels(), -1 - len(totals)
-            parts = [
-                kernel.kept_call(
-                    kept,
-                    (i, code, found),
-                    (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals),
-                )
-                for i in large
-            ]
+
+            def args(i: int) -> tuple[Tensor, ...]:
+                return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
+
+            key = ("squares", code, found)
+            if key not in kept:
+                outline = optree.tree_unflatten(outer_spec, kinds)
+                kept[key] = gradient_squares(self.tx, outline, kinds, len(totals), args(large[0]))
+            if kept[key]:  # a norm of the gradients: one multi-tensor norm
+                parts = gradient_squares_pass([gs[i] for i in large], kept[key])
+            else:
+                parts = [kernel.kept_call(kept, (i, code, found), args(i)) for i in large]
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import functional_opt as fo
 from functional_opt import tree
-from functional_opt.adapters import TransformOptimizer
+from functional_opt.adapters import TransformOptimizer, packed_group
 from functional_opt.base import leafwise
 
 LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
@@ -669,4 +669,43 @@ def test_fused_step_steps_large_leaves_directly_given_the_reductions(
             ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
             scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
         )
-    assert calls.count >= 4 * 3 * 2  # per step and large leaf: its partials pass and its step
+    # per step and large leaf: its step, and each partials pass that is not a norm of the
+    # gradients (those are one multi-tensor norm over the large leaves, no compiled call)
+    compiled_passes = {"clip-adamw": 0, "finite-clip-adam": 1, "adam-then-clip": 1}[name]
+    assert calls.count == 4 * 3 * (1 + compiled_passes)
+
+
+@pytest.mark.parametrize("route", ["fused_step", "adapter"])
+def test_a_norm_of_the_gradients_is_one_multi_tensor_norm_of_the_same_bits(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partials pass that is the sum of squares of each large leaf's gradient as given
+    (``clip_by_global_norm`` first) runs as one multi-tensor norm instead of a compiled call
+    per leaf: the params come out bit for bit as with the compiled pass."""
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
+    module = fo.plain_trees if route == "fused_step" else packed_group
+    runs = []
+    for recognize in (True, False):
+        if not recognize:
+            monkeypatch.setattr(module, "gradient_squares", lambda *args: 0)
+        tx = _GIVEN_REDUCTIONS["clip-adamw"]()
+        params = _plain(5)
+        leaves = tree.leaves(params)
+        opt = None
+        if route == "adapter":
+            opt = _direct(lambda ps, tx=tx: TransformOptimizer(ps, tx), leaves)
+        state = tx.init(params)
+        step = fo.fused_step(tx)
+        for k in range(3):
+            grads = _plain(70 + k)
+            if opt is not None:
+                for p, g in zip(leaves, tree.leaves(grads), strict=True):
+                    p.grad = g
+                opt.step()
+            else:
+                params, state = step(params, grads, state)
+        if opt is not None:
+            recognized = opt._layouts[0].engine.squares_passes  # type: ignore[union-attr]
+            assert list(recognized.values()) == [1 if recognize else 0]  # (the clip's norm)
+        runs.append([p.clone() for p in leaves])
+    assert_bitwise(runs[0], runs[1])
