@@ -65,8 +65,8 @@ from functional_opt.base import (
 from functional_opt.engine import Runner
 from functional_opt.leaf_step import (
     GIVEN,
-    gradient_squares,
-    gradient_squares_pass,
+    gradient_reductions,
+    gradient_reductions_pass,
     leaf_partials,
     leaf_step,
 )
@@ -179,9 +179,8 @@ class PackedGroup:
         sharded group)."""
         self.leaf_outs: list[Tensor] = []
         """Where the direct params' steps write the state that is not per parameter."""
-        self.squares_passes: dict[tuple[int, Stages], int] = {}
-        """Per partials pass (code, stages): how many partials it gives where it is a norm of
-        the gradients (:func:`gradient_squares`), else 0."""
+        self.gradient_passes: dict[tuple[int, Stages], tuple[int, tuple[str, ...]]] = {}
+        """Per partials pass (code, stages): what it computes (:func:`gradient_reductions`)."""
         self.leaf_kernels: dict[tuple[int, int, Stages], Callable[..., Any]] = {}
         """Per direct param and kernel (the code of :meth:`_leaf_kernel`), the compiled kernel
         once it is called without dynamo."""
@@ -441,14 +440,15 @@ class PackedGroup:
                 return (grads[i], params[i], *state, *given, *totals)
 
             key = (code, found)
-            if key not in self.squares_passes:
+            if key not in self.gradient_passes:
                 first = args(self.direct[0])
-                self.squares_passes[key] = gradient_squares(
+                self.gradient_passes[key] = gradient_reductions(
                     self.tx, self.outline, kinds, -1 - code, first
                 )
-            count = self.squares_passes[key]
-            if count:  # a norm of the gradients: one multi-tensor norm
-                parts = gradient_squares_pass([grads[i] for i in self.direct], count)
+            count, leading = self.gradient_passes[key]
+            if leading:  # reductions of the gradients: multi-tensor ops, all exact
+                grads_direct = [grads[i] for i in self.direct]
+                parts = gradient_reductions_pass(grads_direct, count, leading)
             else:
                 parts = [
                     kernel.kept_call(self.leaf_kernels, (i, code, found), args(i))
@@ -458,7 +458,7 @@ class PackedGroup:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):
                     parts.append(self.runner.partials(updates, state, given_params, {}, totals))
-            if not _lists.next_total(totals, parts):
+            if not _lists.next_total(totals, parts, max(1, len(leading))):
                 return totals
 
     def _step_direct(

@@ -703,11 +703,13 @@ def summed(partials: Sequence[Tensor]) -> Tensor:
     return stack(list(partials)).sum()
 
 
-def next_total(totals: list[Tensor], parts: Sequence[Sequence[Tensor]]) -> bool:
+def next_total(totals: list[Tensor], parts: Sequence[Sequence[Tensor]], exact: int = 1) -> bool:
     """One pass of the totals: ``parts`` holds each part's partial values from a pass with
-    ``totals`` given (the first exact); appends the next total and returns whether another
+    ``totals`` given (the first ``exact`` of them exact: the first always, later ones where
+    they depend on no total still to come); appends their totals and returns whether another
     pass is needed (see :class:`Across`)."""
     if not parts or not parts[0]:
         return False
-    totals.append(summed([p[0] for p in parts]))
-    return len(parts[0]) > 1
+    for j in range(exact):
+        totals.append(summed([p[j] for p in parts]))
+    return len(parts[0]) > exact

@@ -31,8 +31,8 @@ from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leaf
 __all__ = [
     "GIVEN",
     "Rebuild",
-    "gradient_squares",
-    "gradient_squares_pass",
+    "gradient_reductions",
+    "gradient_reductions_pass",
     "leaf_partials",
     "leaf_step",
 ]
@@ -129,31 +129,49 @@ def leaf_partials(
     return partials
 
 
-def gradient_squares(
+def gradient_reductions(
     tx: GradientTransformation, outline: Any, kinds: list[str], known: int, args: tuple[Any, ...]
-) -> int:
-    """Whether a pass of :func:`leaf_partials` is, for what it gives, a norm of the gradient:
-    the number of partials it returns when the first is the sum of squares of the param's
-    gradient as given (a float32 or float64 one), else 0. Then the pass over many params is
-    :func:`gradient_squares_pass`, one multi-tensor norm (the same torch norm, the same bits,
-    without a compiled call per param). Found by running the update once, eagerly, on the
-    partials pass's arguments ``args`` of one param; writes nothing."""
+) -> tuple[int, tuple[str, ...]]:
+    """What a pass of :func:`leaf_partials` computes, found by running the update once,
+    eagerly, on the pass's arguments ``args`` of one param (writing nothing): how many partials
+    it returns, and the kinds of its leading partials that are reductions of the param's
+    gradient as given (a float32 or float64 one): ``"squares"`` (a global norm's sum of
+    squares) or ``"non-finite"`` (a finite check's count). Those depend on no total still to
+    come, so they are exact, and a pass over many params computes them with
+    :func:`gradient_reductions_pass`, multi-tensor ops with the compiled pass's results,
+    without a compiled call per param. ``()`` where the first partial is of something else."""
     run = _partials_run(tx, outline, kinds, known)
     g = args[0]
-    if run is None or g.dtype not in (torch.float32, torch.float64):
-        return 0
+    if run is None:
+        return 0, ()
     across = run(g, args[1], args[2:])
-    if not across.sources:
-        return 0
-    kind, xs = across.sources[0]
-    return len(across.partials) if kind == "squares" and len(xs) == 1 and xs[0] is g else 0
+    leading: list[str] = []
+    if g.dtype in (torch.float32, torch.float64):
+        for kind, xs in across.sources:
+            if len(xs) != 1 or xs[0] is not g:
+                break
+            leading.append(kind)
+    return len(across.partials), tuple(leading)
 
 
-def gradient_squares_pass(grads: list[Tensor], count: int) -> list[tuple[Tensor, ...]]:
-    """The partials of a pass that :func:`gradient_squares` recognized (``count`` of them per
-    param), for the params with gradients ``grads``: each first one ``||g||^2``, the later ones
-    (stand-ins, see :class:`functional_opt._lists.Across`) the same value."""
-    return [(n.square(),) * count for n in _lists.local_norms(grads)]
+def gradient_reductions_pass(
+    grads: list[Tensor], count: int, leading: tuple[str, ...]
+) -> list[tuple[Tensor, ...]]:
+    """The partials of a pass that :func:`gradient_reductions` recognized (``count`` per param,
+    the ``leading`` ones reductions of the gradients), for the params with gradients
+    ``grads``: the sums of squares from torch's multi-tensor norm (the compiled pass takes the
+    same norm, the same bits), the non-finite counts from each gradient's smallest and largest
+    elements; the partials after them, stand-ins (see :class:`functional_opt._lists.Across`),
+    repeat the first."""
+    columns: list[list[Tensor]] = []
+    for kind in leading:
+        if kind == "squares":
+            columns.append([n.square() for n in _lists.local_norms(grads)])
+        else:
+            flags = _lists._finite_flags(grads)
+            columns.append([f.logical_not().to(torch.float32) for f in flags])
+    rows = [list(values) for values in zip(*columns, strict=True)]
+    return [tuple(row + [row[0]] * (count - len(row))) for row in rows]
 
 
 def _partials_run(

@@ -48,8 +48,8 @@ from functional_opt.base import (
 from functional_opt.base import staged as staged_as
 from functional_opt.leaf_step import (
     GIVEN,
-    gradient_squares,
-    gradient_squares_pass,
+    gradient_reductions,
+    gradient_reductions_pass,
     leaf_partials,
     leaf_step,
 )
@@ -235,18 +235,20 @@ class PlainTreeStep:
             def args(i: int) -> tuple[Tensor, ...]:
                 return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
 
-            key = ("squares", code, found)
+            key = ("gradient reductions", code, found)
             if key not in kept:
                 outline = optree.tree_unflatten(outer_spec, kinds)
-                kept[key] = gradient_squares(self.tx, outline, kinds, len(totals), args(large[0]))
-            if kept[key]:  # a norm of the gradients: one multi-tensor norm
-                parts = gradient_squares_pass([gs[i] for i in large], kept[key])
+                first = args(large[0])
+                kept[key] = gradient_reductions(self.tx, outline, kinds, len(totals), first)
+            count, leading = kept[key]
+            if leading:  # reductions of the gradients: multi-tensor ops, all exact
+                parts = gradient_reductions_pass([gs[i] for i in large], count, leading)
             else:
                 parts = [kernel.kept_call(kept, (i, code, found), args(i)) for i in large]
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))
-            if not _lists.next_total(totals, parts):
+            if not _lists.next_total(totals, parts, max(1, len(leading))):
                 return totals
 
     def known_kernels(self) -> dict[Any, Any]:
