@@ -26,7 +26,7 @@ from torch import Tensor
 
 import functional_opt as fo
 from functional_opt import tree
-from functional_opt.adapters import TransformOptimizer, packed_group
+from functional_opt.adapters import TransformOptimizer
 from functional_opt.base import leafwise
 
 LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
@@ -187,6 +187,8 @@ def test_large_params_step_in_their_own_storage_like_the_per_tensor_path(name: s
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
     params = list(model.parameters())
     assert [params[i].numel() for i in engine.direct] == [96 * 16, 64 * 96]
+    if name == "clip-adamw":  # the norm pass: one multi-tensor norm of the gradients
+        assert list(engine.gradient_passes.values()) == [(1, ("squares",))]
     assert engine.rest, "the small params are packed"
     assert [p.data_ptr() for p in params] == ptrs
     buffers = {b.untyped_storage().data_ptr() for bs in engine.state.values() for b in bs}
@@ -675,37 +677,28 @@ def test_fused_step_steps_large_leaves_directly_given_the_reductions(
     assert calls.count == 4 * 3 * (1 + compiled_passes)
 
 
-@pytest.mark.parametrize("route", ["fused_step", "adapter"])
 def test_a_norm_of_the_gradients_is_one_multi_tensor_norm_of_the_same_bits(
-    route: str, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A partials pass that is the sum of squares of each large leaf's gradient as given
     (``clip_by_global_norm`` first) runs as one multi-tensor norm instead of a compiled call
-    per leaf: the params come out bit for bit as with the compiled pass."""
+    per leaf: the params come out bit for bit as with the compiled pass (the same step, its
+    kernels shared: only the recognition differs). ``TransformOptimizer`` takes the same
+    route (its lockstep test, ``clip-adamw``)."""
     monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
-    module = fo.plain_trees if route == "fused_step" else packed_group
-    runs = []
+    calls = _Calls(monkeypatch)
+    tx = _GIVEN_REDUCTIONS["clip-adamw"]()
+    step = fo.fused_step(tx)
+    runs, counts = [], []
     for recognize in (True, False):
-        if not recognize:
-            monkeypatch.setattr(module, "gradient_reductions", lambda *args: (1, ()))
-        tx = _GIVEN_REDUCTIONS["clip-adamw"]()
+        if not recognize:  # (new params: the step finds what its passes are again)
+            monkeypatch.setattr(fo.plain_trees, "gradient_reductions", lambda *args: (1, ()))
         params = _plain(5)
-        leaves = tree.leaves(params)
-        opt = None
-        if route == "adapter":
-            opt = _direct(lambda ps, tx=tx: TransformOptimizer(ps, tx), leaves)
         state = tx.init(params)
-        step = fo.fused_step(tx)
+        start = calls.count
         for k in range(3):
-            grads = _plain(70 + k)
-            if opt is not None:
-                for p, g in zip(leaves, tree.leaves(grads), strict=True):
-                    p.grad = g
-                opt.step()
-            else:
-                params, state = step(params, grads, state)
-        if opt is not None:
-            recognized = opt._layouts[0].engine.gradient_passes  # type: ignore[union-attr]
-            assert list(recognized.values()) == [(1, ("squares",) if recognize else ())]
-        runs.append([p.clone() for p in leaves])
+            params, state = step(params, _plain(70 + k), state)
+        counts.append(calls.count - start)
+        runs.append([p.clone() for p in tree.leaves(params)])
+    assert counts == [3 * 3, 3 * 3 * 2]  # a compiled partials call per leaf only in the second
     assert_bitwise(runs[0], runs[1])
