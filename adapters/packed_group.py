@@ -446,14 +446,19 @@ class PackedGroup:
                     self.tx, self.outline, kinds, -1 - code, first
                 )
             count, leading = self.gradient_passes[key]
-            if leading:  # reductions of the gradients: multi-tensor ops, all exact
-                grads_direct = [grads[i] for i in self.direct]
-                parts = gradient_reductions_pass(grads_direct, count, leading)
-            else:
-                parts = [
+            # reductions of the gradients: multi-tensor ops, all exact
+            found_parts = (
+                gradient_reductions_pass([grads[i] for i in self.direct], count, leading)
+                if leading
+                else None
+            )
+            if found_parts is None:
+                leading = ()
+                found_parts = [
                     kernel.kept_call(self.leaf_kernels, (i, code, found), args(i))
                     for i in self.direct
                 ]
+            parts = found_parts
             if loaded is not None:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):

@@ -156,13 +156,16 @@ def gradient_reductions(
 
 def gradient_reductions_pass(
     grads: list[Tensor], count: int, leading: tuple[str, ...]
-) -> list[tuple[Tensor, ...]]:
+) -> list[tuple[Tensor, ...]] | None:
     """The partials of a pass that :func:`gradient_reductions` recognized (``count`` per param,
     the ``leading`` ones reductions of the gradients), for the params with gradients
     ``grads``: the sums of squares from torch's multi-tensor norm (the compiled pass takes the
     same norm, the same bits), the non-finite counts from each gradient's smallest and largest
     elements; the partials after them, stand-ins (see :class:`functional_opt._lists.Across`),
-    repeat the first."""
+    repeat the first. ``None`` unless every gradient is float32 or float64 (the compiled pass
+    takes a 16-bit one's norm another way)."""
+    if not all(g.dtype in (torch.float32, torch.float64) for g in grads):
+        return None
     columns: list[list[Tensor]] = []
     for kind in leading:
         if kind == "squares":

@@ -241,10 +241,16 @@ class PlainTreeStep:
                 first = args(large[0])
                 kept[key] = gradient_reductions(self.tx, outline, kinds, len(totals), first)
             count, leading = kept[key]
-            if leading:  # reductions of the gradients: multi-tensor ops, all exact
-                parts = gradient_reductions_pass([gs[i] for i in large], count, leading)
-            else:
-                parts = [kernel.kept_call(kept, (i, code, found), args(i)) for i in large]
+            # reductions of the gradients: multi-tensor ops, all exact
+            found_parts = (
+                gradient_reductions_pass([gs[i] for i in large], count, leading)
+                if leading
+                else None
+            )
+            if found_parts is None:
+                leading = ()
+                found_parts = [kernel.kept_call(kept, (i, code, found), args(i)) for i in large]
+            parts = found_parts
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))
