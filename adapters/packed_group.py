@@ -66,7 +66,7 @@ from functional_opt.engine import Runner
 from functional_opt.leaf_step import (
     GIVEN,
     gradient_reductions,
-    gradient_reductions_pass,
+    large_parts,
     leaf_partials,
     leaf_step,
 )
@@ -424,47 +424,52 @@ class PackedGroup:
         found: Stages,
     ) -> list[Tensor]:
         """The totals over the group of the update's reductions: pass ``k`` sums the partial
-        values of reduction ``k`` (the totals before it given) of each direct param (one
-        compiled call each) and of the packed ones (one compiled pass). Writes nothing."""
+        values of reduction ``k`` (the totals before it given) of the direct params (a compiled
+        call each, or one multi-tensor op for reductions of their gradients) and of the packed
+        ones (one compiled pass). Writes nothing."""
         kinds = [kind for kind, _ in self.slots]
-        names = [name for kind, name in self.slots if kind == "param"]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         totals: list[Tensor] = []
         while True:
-            code = -1 - len(totals)
-            kernel = self._leaf_kernel(code, found)
-            assert kernel is not None
-
-            def args(i: int) -> tuple[Tensor, ...]:
-                state = [self.state_views[name][i] for name in names]
-                return (grads[i], params[i], *state, *given, *totals)
-
-            key = (code, found)
-            if key not in self.gradient_passes:
-                first = args(self.direct[0])
-                self.gradient_passes[key] = gradient_reductions(
-                    self.tx, self.outline, kinds, -1 - code, first
-                )
-            count, leading = self.gradient_passes[key]
-            # reductions of the gradients: multi-tensor ops, all exact
-            found_parts = (
-                gradient_reductions_pass([grads[i] for i in self.direct], count, leading)
-                if leading
-                else None
-            )
-            if found_parts is None:
-                leading = ()
-                found_parts = [
-                    kernel.kept_call(self.leaf_kernels, (i, code, found), args(i))
-                    for i in self.direct
-                ]
-            parts = found_parts
+            parts, exact = self._direct_parts(params, grads, given, totals, found)
             if loaded is not None:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):
                     parts.append(self.runner.partials(updates, state, given_params, {}, totals))
-            if not _lists.next_total(totals, parts, max(1, len(leading))):
+            if not _lists.next_total(totals, parts, exact):
                 return totals
+
+    def _direct_parts(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        given: list[Any],
+        totals: list[Tensor],
+        found: Stages,
+    ) -> tuple[list[Any], int]:
+        """One totals pass over the direct params, ``totals`` given (see
+        :func:`functional_opt.leaf_step.large_parts`)."""
+        kinds = [kind for kind, _ in self.slots]
+        names = [name for kind, name in self.slots if kind == "param"]
+        code = -1 - len(totals)
+        kernel = self._leaf_kernel(code, found)
+        assert kernel is not None
+
+        def args(i: int) -> tuple[Tensor, ...]:
+            state = [self.state_views[name][i] for name in names]
+            return (grads[i], params[i], *state, *given, *totals)
+
+        return large_parts(
+            self.gradient_passes,
+            (code, found),
+            lambda: gradient_reductions(
+                self.tx, self.outline, kinds, len(totals), args(self.direct[0])
+            ),
+            [grads[i] for i in self.direct],
+            lambda: [
+                kernel.kept_call(self.leaf_kernels, (i, code, found), args(i)) for i in self.direct
+            ],
+        )
 
     def _step_direct(
         self,

@@ -33,6 +33,7 @@ __all__ = [
     "Rebuild",
     "gradient_reductions",
     "gradient_reductions_pass",
+    "large_parts",
     "leaf_partials",
     "leaf_step",
 ]
@@ -175,6 +176,27 @@ def gradient_reductions_pass(
             columns.append([f.logical_not().to(torch.float32) for f in flags])
     rows = [list(values) for values in zip(*columns, strict=True)]
     return [tuple(row + [row[0]] * (count - len(row))) for row in rows]
+
+
+def large_parts(
+    probes: dict[Any, tuple[int, tuple[str, ...]]],
+    key: Any,
+    probe: Callable[[], tuple[int, tuple[str, ...]]],
+    grads: list[Tensor],
+    compiled: Callable[[], list[Any]],
+) -> tuple[list[Any], int]:
+    """One totals pass over the large params (both engines'): their partials, and how many of
+    each param's leading partials are exact. What the pass computes is found once (``probe()``,
+    :func:`gradient_reductions`) and kept in ``probes`` under ``key``; reductions of the
+    gradients run as :func:`gradient_reductions_pass`, anything else as ``compiled()`` (a
+    compiled call per param, its first partial exact)."""
+    if key not in probes:
+        probes[key] = probe()
+    count, leading = probes[key]
+    parts = gradient_reductions_pass(grads, count, leading) if leading else None
+    if parts is None:
+        return compiled(), 1
+    return list(parts), len(leading)
 
 
 def _partials_run(

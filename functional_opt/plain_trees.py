@@ -49,7 +49,7 @@ from functional_opt.base import staged as staged_as
 from functional_opt.leaf_step import (
     GIVEN,
     gradient_reductions,
-    gradient_reductions_pass,
+    large_parts,
     leaf_partials,
     leaf_step,
 )
@@ -127,6 +127,8 @@ class _Facts:
         )
         self.kernels: dict[Any, Any] = {}
         """The compiled kernels kept for these params (see ``Kernel.kept_call``)."""
+        self.probes: dict[Any, tuple[int, tuple[str, ...]]] = {}
+        """What each totals pass computes over the large leaves (by kernel code, stages)."""
         self.fused_add = _lists.fused_add_ok([ps[i] for i in self.staged])
         """Whether the staged params may take :func:`functional_opt._lists.add_into`'s fused
         route (where they are contiguous; the staging buffers' views it adds are, and of the
@@ -224,43 +226,60 @@ class PlainTreeStep:
     ) -> list[Tensor]:
         """The totals over the whole tree of the update's reductions (a transform leafwise
         given them): pass ``k`` sums the parts' partial values of reduction ``k`` with the
-        totals before it given (one compiled call per large leaf, one compiled pass over the
-        staged buffers; a pass reads only what that reduction needs). Writes nothing."""
+        totals before it given (one compiled call per large leaf, or one multi-tensor op for
+        reductions of their gradients; one compiled pass over the staged buffers; a pass reads
+        only what that reduction needs). Writes nothing."""
         totals: list[Tensor] = []
         while True:
-            kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
-            assert kernel is not None  # (the state rebuilds: checked before)
-            kept, code = self.known_kernels(), -1 - len(totals)
-
-            def args(i: int) -> tuple[Tensor, ...]:
-                return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
-
-            key = ("gradient reductions", code, found)
-            if key not in kept:
-                outline = optree.tree_unflatten(outer_spec, kinds)
-                first = args(large[0])
-                kept[key] = gradient_reductions(self.tx, outline, kinds, len(totals), first)
-            count, leading = kept[key]
-            # reductions of the gradients: multi-tensor ops, all exact
-            found_parts = (
-                gradient_reductions_pass([gs[i] for i in large], count, leading)
-                if leading
-                else None
+            parts, exact = self._large_parts(
+                ps, gs, per, given, large, outer_spec, kinds, totals, found
             )
-            if found_parts is None:
-                leading = ()
-                found_parts = [kernel.kept_call(kept, (i, code, found), args(i)) for i in large]
-            parts = found_parts
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))
-            if not _lists.next_total(totals, parts, max(1, len(leading))):
+            if not _lists.next_total(totals, parts, exact):
                 return totals
 
+    def _large_parts(
+        self,
+        ps: list[Tensor],
+        gs: list[Tensor],
+        per: list[list[Any]],
+        given: list[Tensor],
+        large: list[int],
+        outer_spec: Any,
+        kinds: list[str],
+        totals: list[Tensor],
+        found: Stages,
+    ) -> tuple[list[Any], int]:
+        """One totals pass over the large leaves, ``totals`` given (see
+        :func:`functional_opt.leaf_step.large_parts`)."""
+        kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
+        assert kernel is not None  # (the state rebuilds: checked before)
+        kept, code = self.known_kernels(), -1 - len(totals)
+
+        def args(i: int) -> tuple[Tensor, ...]:
+            return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
+
+        outline = optree.tree_unflatten(outer_spec, kinds)
+        return large_parts(
+            self.known_probes(),
+            (code, found),
+            lambda: gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0])),
+            [gs[i] for i in large],
+            lambda: [kernel.kept_call(kept, (i, code, found), args(i)) for i in large],
+        )
+
     def known_kernels(self) -> dict[Any, Any]:
-        """The compiled kernels kept for the known params: by (leaf, kernel code)."""
+        """The compiled kernels kept for the known params: by (leaf, kernel code, stages)."""
         assert self.known is not None
         return self.known.kernels
+
+    def known_probes(self) -> dict[Any, tuple[int, tuple[str, ...]]]:
+        """What each totals pass computes over the known params' large leaves (see
+        :func:`functional_opt.leaf_step.large_parts`)."""
+        assert self.known is not None
+        return self.known.probes
 
     def _facts(self, ps: list[Any], gs: list[Any]) -> _Facts | None:
         """What the step needs to know of the params (made once for the same tensors at the
