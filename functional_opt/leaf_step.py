@@ -196,7 +196,7 @@ def large_parts(
     parts = gradient_reductions_pass(grads, count, leading) if leading else None
     if parts is None:
         return compiled(), 1
-    return list(parts), len(leading)
+    return parts, len(leading)
 
 
 def _partials_run(

@@ -230,45 +230,34 @@ class PlainTreeStep:
         reductions of their gradients; one compiled pass over the staged buffers; a pass reads
         only what that reduction needs). Writes nothing."""
         totals: list[Tensor] = []
-        while True:
-            parts, exact = self._large_parts(
-                ps, gs, per, given, large, outer_spec, kinds, totals, found
+
+        def large_pass() -> tuple[list[Any], int]:  # over the large leaves, ``totals`` given
+            kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
+            assert kernel is not None  # (the state rebuilds: checked before)
+            kept, code = self.known_kernels(), -1 - len(totals)
+
+            def args(i: int) -> tuple[Tensor, ...]:
+                return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
+
+            def probe() -> tuple[int, tuple[str, ...]]:
+                outline = optree.tree_unflatten(outer_spec, kinds)
+                return gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0]))
+
+            return large_parts(
+                self.known_probes(),
+                (code, found),
+                probe,
+                [gs[i] for i in large],
+                lambda: [kernel.kept_call(kept, (i, code, found), args(i)) for i in large],
             )
+
+        while True:
+            parts, exact = large_pass()
             if loaded is not None:
                 grads, sub, params = loaded
                 parts.append(self.runner.partials(grads, sub, params, {}, totals))
             if not _lists.next_total(totals, parts, exact):
                 return totals
-
-    def _large_parts(
-        self,
-        ps: list[Tensor],
-        gs: list[Tensor],
-        per: list[list[Any]],
-        given: list[Tensor],
-        large: list[int],
-        outer_spec: Any,
-        kinds: list[str],
-        totals: list[Tensor],
-        found: Stages,
-    ) -> tuple[list[Any], int]:
-        """One totals pass over the large leaves, ``totals`` given (see
-        :func:`functional_opt.leaf_step.large_parts`)."""
-        kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
-        assert kernel is not None  # (the state rebuilds: checked before)
-        kept, code = self.known_kernels(), -1 - len(totals)
-
-        def args(i: int) -> tuple[Tensor, ...]:
-            return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
-
-        outline = optree.tree_unflatten(outer_spec, kinds)
-        return large_parts(
-            self.known_probes(),
-            (code, found),
-            lambda: gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0])),
-            [gs[i] for i in large],
-            lambda: [kernel.kept_call(kept, (i, code, found), args(i)) for i in large],
-        )
 
     def known_kernels(self) -> dict[Any, Any]:
         """The compiled kernels kept for the known params: by (leaf, kernel code, stages)."""
