@@ -69,6 +69,7 @@ from functional_opt.leaf_step import (
     large_parts,
     leaf_partials,
     leaf_step,
+    needs_other_ranks,
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -99,6 +100,7 @@ class PackedGroup:
         keys: Sequence[Tensor] | None = None,
         group: Any = None,
         direct_min: int = 0,
+        given: Sequence[Any] | None = None,
     ) -> None:
         self.slots_type = slots_type
         self.spec = spec
@@ -123,10 +125,27 @@ class PackedGroup:
         """Whether the direct params need the totals of the update's reductions over the whole
         group first (see :class:`functional_opt._lists.Across`)."""
         self.outline = optree.tree_unflatten(spec, [kind for kind, _ in slots])
-        if not self.sharded and direct_min > 0:
-            self.direct = direct_params(tx, params, direct_min)
-            if self.direct and self._leaf_kernel(0) is None:
-                self.direct = []  # (a state it cannot rebuild: every param is packed)
+        self.one_leaf: tuple[Tensor, ...] = ()
+        """A sharded group's stand-in arguments of one param's step (one element each)."""
+        self.sharded_direct = False
+        """Whether a sharded group steps its large local shards directly: a leafwise
+        transform whose update of a shard needs no other rank but the totals of its reductions
+        (:func:`needs_other_ranks`, the same on every rank). Then, with reductions, every rank
+        takes their totals first, whatever its own shards' sizes, and sums them over the ranks
+        in one collective per totals pass (:meth:`_totals`)."""
+        if direct_min > 0 and leafwise(tx, reductions=True):
+            if not self.sharded:
+                self.direct = direct_params(tx, params, direct_min)
+                if self.direct and self._leaf_kernel(0) is None:
+                    self.direct = []  # (a state it cannot rebuild: every param is packed)
+            elif self._leaf_kernel(0) is not None and self._local_on_shards(
+                params, templates, given
+            ):
+                self.sharded_direct = True
+                self.direct = direct_params(tx, params, direct_min)
+        self.totals_first = self.reduces and (bool(self.direct) or self.sharded_direct)
+        """Whether each step first takes the totals of the update's reductions (:meth:`_totals`)
+        and steps every part given them."""
         taken = set(self.direct)
         self.rest = [i for i in range(len(params)) if i not in taken]
         """The params stepped together over packed buffers."""
@@ -194,6 +213,30 @@ class PackedGroup:
         """Copies the packed params into :attr:`params` (a transform that reads them)."""
         self.probed = False
 
+    def _local_on_shards(
+        self,
+        params: Sequence[Tensor],
+        templates: dict[str, list[Tensor]],
+        given: Sequence[Any] | None,
+    ) -> bool:
+        """Whether one param's update on its local shard needs no other rank's values but the
+        totals of its reductions (a per-leaf norm would): found on stand-ins of one element
+        (``given``: the state leaves that are not per parameter), so that every rank finds the
+        same, whatever its shards. Params of one dtype only (what the totals passes compute
+        depends on it)."""
+        if given is None or len({p.dtype for p in params}) != 1:
+            return False
+        names = [name for kind, name in self.slots if kind == "param"]
+        device = params[0].device
+
+        def one(dtype: torch.dtype) -> Tensor:
+            return torch.zeros(1, dtype=dtype, device=device)
+
+        dtype = params[0].dtype
+        self.one_leaf = (one(dtype), one(dtype), *[one(templates[n][0].dtype) for n in names])
+        kinds = [kind for kind, _ in self.slots]
+        return not needs_other_ranks(self.tx, self.outline, kinds, (*self.one_leaf, *given))
+
     def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor | None]:
         """Per param (all of the group's): its view of ``buffers`` (laid out over the packed
         params); ``None`` for a direct param."""
@@ -256,10 +299,11 @@ class PackedGroup:
         self.steps += 1
         # the stages the transform declares for this step (read before anything is written):
         # the direct params' kernels are compiled and run per stage
-        found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if self.direct else ()
+        spread = self.direct or self.totals_first
+        found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if spread else ()
         loaded = self._load(params, grads, outer) if self.layout is not None else None
         totals: list[Tensor] = []
-        if self.direct and self.reduces:
+        if self.totals_first:
             with staged(found):
                 totals = self._totals(params, grads, outer, loaded, found)
         if self.direct:
@@ -426,7 +470,8 @@ class PackedGroup:
         """The totals over the group of the update's reductions: pass ``k`` sums the partial
         values of reduction ``k`` (the totals before it given) of the direct params (a compiled
         call each, or one multi-tensor op for reductions of their gradients) and of the packed
-        ones (one compiled pass). Writes nothing."""
+        ones (one compiled pass); a sharded group's are then summed over the ranks, one
+        collective per pass. Writes nothing."""
         kinds = [kind for kind, _ in self.slots]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         totals: list[Tensor] = []
@@ -436,7 +481,11 @@ class PackedGroup:
                 updates, state, given_params, _ = loaded
                 with _lists.sharded_reductions(self.group):
                     parts.append(self.runner.partials(updates, state, given_params, {}, totals))
-            if not _lists.next_total(totals, parts, exact):
+            known = len(totals)
+            more = _lists.next_total(totals, parts, exact)
+            if self.sharded:
+                totals[known:] = _lists.sum_totals_over_shards(totals[known:], self.group)
+            if not more:
                 return totals
 
     def _direct_parts(
@@ -459,12 +508,15 @@ class PackedGroup:
             state = [self.state_views[name][i] for name in names]
             return (grads[i], params[i], *state, *given, *totals)
 
+        def probe() -> tuple[int, tuple[str, ...]]:
+            # (a sharded group: on the stand-ins, so that every rank finds the same)
+            sample = (*self.one_leaf, *given, *totals) if self.sharded else args(self.direct[0])
+            return gradient_reductions(self.tx, self.outline, kinds, len(totals), sample)
+
         return large_parts(
             self.gradient_passes,
             (code, found),
-            lambda: gradient_reductions(
-                self.tx, self.outline, kinds, len(totals), args(self.direct[0])
-            ),
+            probe,
             [grads[i] for i in self.direct],
             lambda: [
                 kernel.kept_call(self.leaf_kernels, (i, code, found), args(i)) for i in self.direct

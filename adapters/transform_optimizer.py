@@ -53,6 +53,7 @@ from functional_opt.base import (
     step_size,
 )
 from functional_opt.checkpoint import state_paths
+from functional_opt.leaf_step import GIVEN
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
 from .packed_group import (
@@ -745,7 +746,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         for option, arg in layout.numeric.items():
             layout.hyper[arg].fill_(group[option])
         group_state = self._group_state_in(group, layout)
-        engine = self._engine(layout, params, grads)
+        engine = self._engine(layout, params, grads, group_state)
         if engine is not None:
             self._engine_update(layout, group, params, grads, engine, group_state)  # type: ignore[arg-type]
             return
@@ -800,7 +801,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._group_state_out(group, layout)
 
     def _engine(
-        self, layout: _Layout, params: list[Tensor], grads: list[Tensor | None]
+        self,
+        layout: _Layout,
+        params: list[Tensor],
+        grads: list[Tensor | None],
+        group_state: Mapping[str, Tensor],
     ) -> PackedGroup | None:
         """The group's :class:`PackedGroup` when this step can run on it, else ``None``. A
         group of ``DTensor`` params (FSDP2, HSDP) runs on it over its local shards. Every check
@@ -830,6 +835,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                         direct_min=self.direct_min_numel,
                     )
                 else:
+                    outer = _outer_state(layout, group_state, lambda name: None)
+                    given = [x for x, (kind, _) in zip(outer, slots, strict=True) if kind in GIVEN]
                     layout.engine = PackedGroup(
                         shards.locals,
                         templates,
@@ -839,6 +846,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                         slots,
                         params,
                         shards.group,
+                        direct_min=self.direct_min_numel,
+                        given=given,
                     )
             except NotPackable:
                 layout.engine = False

@@ -108,12 +108,26 @@ class CollectiveLog(TorchDispatchMode):
 # ----------------------------------------------------------------------------- optimizers
 
 
+def _clipped_adamw() -> fo.GradientTransformation:
+    return fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3, weight_decay=1e-2))
+
+
 def optimizers() -> dict[str, MakeOptimizer]:
-    """The optimizers compared: ours (DreamerV3, an Adam-family chain) and torch's Adam."""
+    """The optimizers compared: ours (DreamerV3, the engine's Adam-family chains) and torch's
+    Adam."""
     return {
         "DreamerV3Optimizer": lambda ps: DreamerV3Optimizer(ps, lr=1e-4, warmup_steps=0),
+        "TransformOptimizer(fo.dreamerv3)": lambda ps: TransformOptimizer(
+            ps, fo.dreamerv3(1e-4, warmup=0)
+        ),
+        "TransformOptimizer(adamw)": lambda ps: TransformOptimizer(
+            ps, fo.adamw(1e-3, weight_decay=1e-2)
+        ),
         "TransformOptimizer(chain(clip_by_global_norm, adamw))": lambda ps: TransformOptimizer(
-            ps, fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3, weight_decay=1e-2))
+            ps, _clipped_adamw()
+        ),
+        "TransformOptimizer(apply_if_finite(chain(clip_by_global_norm, adamw)))": (
+            lambda ps: TransformOptimizer(ps, fo.apply_if_finite(_clipped_adamw(), 3))
         ),
         "torch.optim.Adam(foreach=True)": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
     }

@@ -622,12 +622,53 @@ def sharded_group() -> Any:
 def sum_over_shards(t: Tensor) -> Tensor:
     """``t`` summed over the ranks of the active :func:`sharded_reductions` group (one
     ``all_reduce``; a plain tensor, also in eager mode)."""
+    if isinstance(_SHARDED, CollectiveCount):  # (counted, not issued: see below)
+        _SHARDED.calls += 1
+        return t
     from torch.distributed import _functional_collectives as fc
 
     out: Tensor = fc.all_reduce(t, "sum", _SHARDED)
     if not torch.compiler.is_compiling() and isinstance(out, fc.AsyncCollectiveTensor):
         out = out.wait()
     return out
+
+
+def sum_totals_over_shards(totals: Sequence[Tensor], group: Any) -> list[Tensor]:
+    """Each of ``totals`` (0-d tensors: this rank's totals of some reductions, see
+    :class:`Across`) summed over the ranks of ``group``, all in one ``all_reduce`` (in their
+    widest dtype; each returned in its own)."""
+    if not totals:
+        return []
+    with sharded_reductions(group):
+        whole = sum_over_shards(stack(list(totals)))
+    return [v.to(t.dtype) for v, t in zip(whole.unbind(), totals, strict=True)]
+
+
+class CollectiveCount:
+    """What :func:`counted_collectives` saw: ``calls``, the collectives the library's reductions
+    would have issued."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+@contextlib.contextmanager
+def counted_collectives() -> Iterator[CollectiveCount]:
+    """Within the block the library's reductions behave as within :func:`sharded_reductions`
+    but issue nothing: each collective they would issue is counted (its local value stands in
+    for the sum), so code can be run once to find whether it needs other ranks at all (the
+    engine's check that a leaf's update on a local shard needs no other rank's values, its
+    reductions over all leaves aside)."""
+    global _SHARDED
+    old = _SHARDED
+    count = CollectiveCount()
+    _SHARDED = count
+    try:
+        yield count
+    finally:
+        _SHARDED = old
 
 
 def non_finite_count(flags: Tensor) -> Tensor:

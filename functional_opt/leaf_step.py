@@ -36,6 +36,7 @@ __all__ = [
     "large_parts",
     "leaf_partials",
     "leaf_step",
+    "needs_other_ranks",
 ]
 
 GIVEN = ("group", "hyper")
@@ -153,6 +154,25 @@ def gradient_reductions(
                 break
             leading.append(kind)
     return len(across.partials), tuple(leading)
+
+
+def needs_other_ranks(
+    tx: GradientTransformation, outline: Any, kinds: list[str], args: tuple[Any, ...]
+) -> bool:
+    """Whether one param's update, run on a *local shard* (FSDP2, HSDP), needs values of the
+    other ranks beyond the totals of its reductions over all leaves (see
+    :class:`functional_opt._lists.Across`): a per-leaf norm, as adaptive clipping takes, is of
+    the whole tensor, so it would. Found by running the update once, eagerly, on the arguments
+    ``args`` of :func:`leaf_partials` (``g, p, *state, *given``; writing nothing) with the
+    library's collectives counted instead of issued
+    (:func:`functional_opt._lists.counted_collectives`). What it finds depends on the
+    transform's code, not on the values, so every rank finds the same."""
+    run = _partials_run(tx, outline, kinds, 0)
+    if run is None:
+        return True
+    with _lists.counted_collectives() as count:
+        run(args[0], args[1], args[2:])
+    return count.calls > 0
 
 
 def gradient_reductions_pass(
