@@ -70,6 +70,7 @@ from functional_opt.leaf_step import (
     leaf_partials,
     leaf_step,
     needs_other_ranks,
+    reduction_sources,
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -128,22 +129,27 @@ class PackedGroup:
         self.one_leaf: tuple[Tensor, ...] = ()
         """A sharded group's stand-in arguments of one param's step (one element each)."""
         self.sharded_direct = False
-        """Whether a sharded group steps its large local shards directly: a leafwise
-        transform whose update of a shard needs no other rank but the totals of its reductions
-        (:func:`needs_other_ranks`, the same on every rank). Then, with reductions, every rank
-        takes their totals first, whatever its own shards' sizes, and sums them over the ranks
-        in one collective per totals pass (:meth:`_totals`)."""
+        """Whether a sharded group steps its large local shards directly (a leafwise
+        transform, params of one dtype). Then every rank, whatever its own shards' sizes, first
+        takes the totals of the update's reductions: over all leaves (a global norm) and over
+        the ranks (each leaf's norms, :attr:`rank_reductions`), each pass's summed over the
+        ranks in one collective (:meth:`_totals`)."""
+        self.rank_reductions = False
+        """Whether one param's update on its local shard needs other ranks' values (its
+        norms: :func:`needs_other_ranks`, the same on every rank)."""
+        self.stand_in_totals: list[Tensor] = []
+        """A sharded group's totals of one stand-in param (:attr:`one_leaf`), pass by pass."""
         if direct_min > 0 and leafwise(tx, reductions=True):
             if not self.sharded:
                 self.direct = direct_params(tx, params, direct_min)
                 if self.direct and self._leaf_kernel(0) is None:
                     self.direct = []  # (a state it cannot rebuild: every param is packed)
-            elif self._leaf_kernel(0) is not None and self._local_on_shards(
-                params, templates, given
-            ):
+            elif self._leaf_kernel(0) is not None and self._stand_in(params, templates, given):
                 self.sharded_direct = True
                 self.direct = direct_params(tx, params, direct_min)
-        self.totals_first = self.reduces and (bool(self.direct) or self.sharded_direct)
+        self.totals_first = (self.reduces or self.rank_reductions) and (
+            bool(self.direct) or self.sharded_direct
+        )
         """Whether each step first takes the totals of the update's reductions (:meth:`_totals`)
         and steps every part given them."""
         taken = set(self.direct)
@@ -213,17 +219,17 @@ class PackedGroup:
         """Copies the packed params into :attr:`params` (a transform that reads them)."""
         self.probed = False
 
-    def _local_on_shards(
+    def _stand_in(
         self,
         params: Sequence[Tensor],
         templates: dict[str, list[Tensor]],
         given: Sequence[Any] | None,
     ) -> bool:
-        """Whether one param's update on its local shard needs no other rank's values but the
-        totals of its reductions (a per-leaf norm would): found on stand-ins of one element
-        (``given``: the state leaves that are not per parameter), so that every rank finds the
-        same, whatever its shards. Params of one dtype only (what the totals passes compute
-        depends on it)."""
+        """A sharded group's stand-in param (:attr:`one_leaf`: one element each of the
+        gradient, the param and its state, ``given``: the state leaves that are not per
+        parameter), on which every rank finds the same facts of the update whatever its own
+        shards: whether it needs other ranks (:attr:`rank_reductions`), what each totals pass
+        computes. Params of one dtype only (what the passes compute depends on it)."""
         if given is None or len({p.dtype for p in params}) != 1:
             return False
         names = [name for kind, name in self.slots if kind == "param"]
@@ -235,7 +241,10 @@ class PackedGroup:
         dtype = params[0].dtype
         self.one_leaf = (one(dtype), one(dtype), *[one(templates[n][0].dtype) for n in names])
         kinds = [kind for kind, _ in self.slots]
-        return not needs_other_ranks(self.tx, self.outline, kinds, (*self.one_leaf, *given))
+        self.rank_reductions = needs_other_ranks(
+            self.tx, self.outline, kinds, (*self.one_leaf, *given)
+        )
+        return True
 
     def _views(self, buffers: list[Tensor], params: Sequence[Tensor]) -> list[Tensor | None]:
         """Per param (all of the group's): its view of ``buffers`` (laid out over the packed
@@ -302,18 +311,18 @@ class PackedGroup:
         spread = self.direct or self.totals_first
         found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if spread else ()
         loaded = self._load(params, grads, outer) if self.layout is not None else None
-        totals: list[Tensor] = []
+        totals: list[list[Tensor]] = [[]] * (len(self.direct) + 1)
         if self.totals_first:
-            with staged(found):
+            with staged(found), _lists.sharded_reductions(self.group):
                 totals = self._totals(params, grads, outer, loaded, found)
         if self.direct:
             # first: the packed update may write the group's counters in place
-            with staged(found):
-                news = self._step_direct(params, grads, outer, ratio, totals, found)
+            with staged(found), _lists.sharded_reductions(self.group):
+                news = self._step_direct(params, grads, outer, ratio, totals[:-1], found)
             if loaded is None:
                 return optree.tree_unflatten(self.spec, news)
         assert loaded is not None
-        return self._step_packed([params[i] for i in self.rest], loaded, ratio, totals)
+        return self._step_packed([params[i] for i in self.rest], loaded, ratio, totals[-1])
 
     def _load(
         self, params: list[Tensor], grads: list[Tensor], outer: list[Any]
@@ -466,52 +475,126 @@ class PackedGroup:
         outer: list[Any],
         loaded: tuple[Packed, Any, Packed, dict[str, Any]] | None,
         found: Stages,
-    ) -> list[Tensor]:
-        """The totals over the group of the update's reductions: pass ``k`` sums the partial
-        values of reduction ``k`` (the totals before it given) of the direct params (a compiled
-        call each, or one multi-tensor op for reductions of their gradients) and of the packed
-        ones (one compiled pass); a sharded group's are then summed over the ranks, one
-        collective per pass. Writes nothing."""
+    ) -> list[list[Tensor]]:
+        """The totals of the update's reductions, for each part of the group: each direct
+        param (in :attr:`direct`'s order), then the packed params. Pass ``k`` computes the
+        partial values of reduction ``k`` (the totals before it given) of the direct params (a
+        compiled call each, or one multi-tensor op for reductions of their gradients) and of
+        the packed ones (one compiled pass), and sums them over the parts. A sharded group's
+        are then summed over the ranks, one collective per pass (:meth:`_over_ranks`). Writes
+        nothing."""
         kinds = [kind for kind, _ in self.slots]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
-        totals: list[Tensor] = []
+        if not self.sharded:
+            totals: list[Tensor] = []
+            while True:
+                parts, exact = self._direct_parts(
+                    params, grads, given, [totals] * len(self.direct), found
+                )
+                if loaded is not None:
+                    updates, state, given_params, _ = loaded
+                    parts.append(self.runner.partials(updates, state, given_params, {}, totals))
+                if not _lists.next_total(totals, parts, exact):
+                    return [totals] * (len(self.direct) + 1)
+        per_part: list[list[Tensor]] = [[] for _ in range(len(self.direct) + 1)]
+        self.stand_in_totals = []
         while True:
-            parts, exact = self._direct_parts(params, grads, given, totals, found)
+            parts, exact = self._direct_parts(params, grads, given, per_part[:-1], found)
             if loaded is not None:
                 updates, state, given_params, _ = loaded
-                with _lists.sharded_reductions(self.group):
-                    parts.append(self.runner.partials(updates, state, given_params, {}, totals))
-            known = len(totals)
-            more = _lists.next_total(totals, parts, exact)
-            if self.sharded:
-                totals[known:] = _lists.sum_totals_over_shards(totals[known:], self.group)
-            if not more:
-                return totals
+                parts.append(self.runner.partials(updates, state, given_params, {}, per_part[-1]))
+            sources, partials = reduction_sources(
+                self.tx,
+                self.outline,
+                kinds,
+                len(self.stand_in_totals),
+                (*self.one_leaf, *given, *self.stand_in_totals),
+            )
+            if not sources:
+                return per_part
+            self.stand_in_totals += partials[:exact]
+            self._over_ranks(per_part, parts, sources[:exact], loaded is not None)
+            if len(sources) <= exact:
+                return per_part
+
+    def _over_ranks(
+        self,
+        per_part: list[list[Tensor]],
+        parts: list[Any],
+        sources: list[str],
+        packed: bool,
+    ) -> None:
+        """A sharded group's totals of one pass, appended to each part's (``per_part``), from
+        the parts' partial values (``parts``: the direct params', then the packed params' if
+        ``packed``) of reductions of the kinds ``sources``: a reduction over all leaves (a sum
+        of squares, a count of non-finite tensors) summed over the parts and the ranks; one
+        over the ranks (:func:`functional_opt._lists.sum_over_shards` of per-leaf values: ``m``
+        blocks of one value per leaf, in leaf order) summed over the ranks leaf by leaf, in the
+        group's param order (the ranks' parts hold different params). All in one
+        ``all_reduce``."""
+        owners = [[i] for i in self.direct] + ([self.rest] if packed else [])
+        n = len(self.keys)
+        dtype = torch.float32
+        for part in parts:
+            for x in part[: len(sources)]:
+                dtype = torch.promote_types(dtype, x.dtype)
+        pieces: list[Tensor] = []
+        blocks: list[int] = []
+        for j, kind in enumerate(sources):
+            if kind != "ranks":
+                pieces.append(_lists.summed([part[j] for part in parts]).to(dtype).reshape(1))
+                blocks.append(0)
+                continue
+            m = parts[0][j].numel() // len(owners[0])
+            matrix = torch.zeros(m, n, dtype=dtype, device=parts[0][j].device)
+            for owned, part in zip(owners, parts, strict=True):
+                matrix[:, owned] = part[j].reshape(m, len(owned)).to(dtype)
+            pieces.append(matrix.reshape(-1))
+            blocks.append(m)
+        whole = _lists.sum_over_shards(torch.cat(pieces))
+        offset = 0
+        for j, m in enumerate(blocks):
+            if m == 0:
+                total = whole[offset]
+                for q, totals in enumerate(per_part):
+                    like = parts[q][j] if q < len(parts) else total
+                    totals.append(total.to(like.dtype))
+                offset += 1
+                continue
+            matrix = whole[offset : offset + m * n].view(m, n)
+            for q, totals in enumerate(per_part):
+                if q < len(owners):
+                    totals.append(matrix[:, owners[q]].reshape(-1).to(parts[q][j].dtype))
+                else:  # (no packed params: never read)
+                    totals.append(matrix.new_zeros(0))
+            offset += m * n
 
     def _direct_parts(
         self,
         params: list[Tensor],
         grads: list[Tensor],
         given: list[Any],
-        totals: list[Tensor],
+        totals: list[list[Tensor]],
         found: Stages,
     ) -> tuple[list[Any], int]:
-        """One totals pass over the direct params, ``totals`` given (see
+        """One totals pass over the direct params, each given its ``totals`` (see
         :func:`functional_opt.leaf_step.large_parts`)."""
         kinds = [kind for kind, _ in self.slots]
         names = [name for kind, name in self.slots if kind == "param"]
-        code = -1 - len(totals)
+        known = len(self.stand_in_totals) if self.sharded else len(totals[0]) if totals else 0
+        code = -1 - known
         kernel = self._leaf_kernel(code, found)
         assert kernel is not None
 
-        def args(i: int) -> tuple[Tensor, ...]:
+        def args(q: int) -> tuple[Tensor, ...]:
+            i = self.direct[q]
             state = [self.state_views[name][i] for name in names]
-            return (grads[i], params[i], *state, *given, *totals)
+            return (grads[i], params[i], *state, *given, *totals[q])
 
         def probe() -> tuple[int, tuple[str, ...]]:
-            # (a sharded group: on the stand-ins, so that every rank finds the same)
-            sample = (*self.one_leaf, *given, *totals) if self.sharded else args(self.direct[0])
-            return gradient_reductions(self.tx, self.outline, kinds, len(totals), sample)
+            # (a sharded group: on the stand-in, so that every rank finds the same)
+            sample = (*self.one_leaf, *given, *self.stand_in_totals) if self.sharded else args(0)
+            return gradient_reductions(self.tx, self.outline, kinds, known, sample)
 
         return large_parts(
             self.gradient_passes,
@@ -519,7 +602,8 @@ class PackedGroup:
             probe,
             [grads[i] for i in self.direct],
             lambda: [
-                kernel.kept_call(self.leaf_kernels, (i, code, found), args(i)) for i in self.direct
+                kernel.kept_call(self.leaf_kernels, (i, code, found), args(q))
+                for q, i in enumerate(self.direct)
             ],
         )
 
@@ -529,16 +613,18 @@ class PackedGroup:
         grads: list[Tensor],
         outer: list[Any],
         ratio: float | Tensor,
-        totals: list[Tensor],
+        totals: list[list[Tensor]],
         found: Stages,
     ) -> list[Any]:
-        """The direct params, one compiled call each (:func:`leaf_step`): the transform's
+        """The direct params, one compiled call each, each given its ``totals``
+        (:func:`leaf_step`): the transform's
         update of that param alone, its state written in place and ``p + ratio u`` into its
         own storage (not where the stage's update is negative zeros); its gradient is read
         where it is and never written. Returns ``outer`` with the new values of the state that
         is not per parameter (every call computes the same ones)."""
         kinds = [kind for kind, _ in self.slots]
-        step = self._leaf_kernel(len(totals), found)
+        known = len(totals[0])
+        step = self._leaf_kernel(known, found)
         assert step is not None
         if not self.leaf_outs:
             self.leaf_outs = [
@@ -551,10 +637,10 @@ class PackedGroup:
             scale = ratio.detach().to(device=device, dtype=torch.float64)
         else:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
-        for i in self.direct:
+        for i, own in zip(self.direct, totals, strict=True):
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
-            step.kept_call(self.leaf_kernels, (i, len(totals), found), (*args, *totals))
+            step.kept_call(self.leaf_kernels, (i, known, found), (*args, *own))
         news = iter([x.clone() for x in self.leaf_outs])
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -621,10 +621,15 @@ def sharded_group() -> Any:
 
 def sum_over_shards(t: Tensor) -> Tensor:
     """``t`` summed over the ranks of the active :func:`sharded_reductions` group (one
-    ``all_reduce``; a plain tensor, also in eager mode)."""
+    ``all_reduce``; a plain tensor, also in eager mode). Within :func:`across_parts` (the
+    engine's update of a part of a sharded group) the sum is a reduction of the kind
+    ``"ranks"`` of the active :class:`Across`: its total given, or ``t`` recorded as its
+    partial (the engine sums every part's over the ranks in one collective)."""
     if isinstance(_SHARDED, CollectiveCount):  # (counted, not issued: see below)
         _SHARDED.calls += 1
         return t
+    if _ACROSS is not None:  # a part of a sharded group: summed over the ranks by the engine
+        return across_total(t, ("ranks", [t]))
     from torch.distributed import _functional_collectives as fc
 
     out: Tensor = fc.all_reduce(t, "sum", _SHARDED)

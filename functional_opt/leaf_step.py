@@ -37,6 +37,7 @@ __all__ = [
     "leaf_partials",
     "leaf_step",
     "needs_other_ranks",
+    "reduction_sources",
 ]
 
 GIVEN = ("group", "hyper")
@@ -173,6 +174,20 @@ def needs_other_ranks(
     with _lists.counted_collectives() as count:
         run(args[0], args[1], args[2:])
     return count.calls > 0
+
+
+def reduction_sources(
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, args: tuple[Any, ...]
+) -> tuple[list[str], list[Tensor]]:
+    """What a pass of :func:`leaf_partials` on the arguments ``args`` of one param computes,
+    found by running the update once, eagerly (writing nothing): the kind of each partial
+    (``"squares"``, ``"non-finite"``, or ``"ranks"``: a sum over the ranks of per-leaf values,
+    see :func:`functional_opt._lists.sum_over_shards`) and the partials themselves."""
+    run = _partials_run(tx, outline, kinds, known)
+    if run is None:
+        return [], []
+    across = run(args[0], args[1], args[2:])
+    return [kind for kind, _ in across.sources], list(across.partials)
 
 
 def gradient_reductions_pass(

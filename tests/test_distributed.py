@@ -88,6 +88,8 @@ STEPS = 10  # optimizer steps per training run
 HALF = STEPS // 2  # checkpoint after this many steps
 AGC = 0.05
 DIRECT_MIN = {"mlp": 20, "tiny": 2}  # the engine's direct_min_numel in the direct-route runs
+DIRECT_RUNS = [("direct", "mlp"), ("direct", "tiny"), ("direct_dreamerv3", "tiny")]
+"""The direct-route runs on local shards (config, model); see _fsdp_engine."""
 MAX_NORM = 0.1
 STEPPER_CLIP = 0.05
 CONFIGS = ("dreamerv3", "transform", "stepper")
@@ -130,7 +132,7 @@ def step_ops(config: str, n: int, sizes: list[int], ranks: int = WORLD) -> float
     global-norm clips (``clip_by_global_norm``, the stepper's ``clip_norm``) scale by
     ``c / max(norm, c)`` or ``min(1, c / (norm + 1e-6))``: the norm, a sum or max, a quotient and
     the product with the gradient (+3); then Adam's elementwise math (``ELEMENTWISE_OPS``)."""
-    if config == "dreamerv3":
+    if config in ("dreamerv3", "direct_dreamerv3"):
         return DREAMERV3_ELEMENTWISE_OPS + 2 * (2 * norm_ops(n, ranks))
     return ELEMENTWISE_OPS + 2 * (global_norm_ops(sizes, ranks) + 3)
 
@@ -203,6 +205,8 @@ def make_optimizer(config: str, params: Iterator[nn.Parameter]) -> torch.optim.O
         # engine its large shards step one at a time in FSDP2's storage (see _fsdp_engine)
         clipped = fo.chain(fo.clip_by_global_norm(MAX_NORM), fo.adamw(1e-2, weight_decay=0.1))
         return TransformOptimizer(params, fo.apply_if_finite(clipped, 3))
+    if config == "direct_dreamerv3":  # DreamerV3's chain: each leaf's norms over the ranks
+        return TransformOptimizer(params, fo.dreamerv3(1e-2, agc=AGC, warmup=0))
     return TransformOptimizer(params, fo.adam(1e-2))
 
 
@@ -844,31 +848,32 @@ def _fsdp_engine(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]:
     # The direct route on local shards: shards of at least DIRECT_MIN elements step alone (the
     # ranks' direct params differ, their collectives may not: rank 0 holds 32 elements of the
     # MLP's last weight, rank 1 16; of the tiny model rank 1 steps no shard directly); an Inf in
-    # rank 1's shard of the last bias skips the step everywhere.
-    for kind in ("mlp", "tiny"):
+    # rank 1's shard of the last bias skips the finite-checked step everywhere.
+    for config, kind in DIRECT_RUNS:
         model = shard_model(make_model(kind), mesh)
-        opt = make_optimizer("direct", model.parameters())
+        opt = make_optimizer(config, model.parameters())
         opt.fused_min_numel, opt.direct_min_numel = 0, DIRECT_MIN[kind]  # type: ignore[attr-defined]
         ptrs = local_data_ptrs(model)
-        records = run(model, opt, batches[:4])
-        x, y = local(batches[4], rank, WORLD)
-        nn.functional.mse_loss(model(x), y).backward()
-        if rank == 1:
-            last = list(model.parameters())[-1].grad
-            last._local_tensor.view(-1)[0] = float("inf")  # type: ignore[union-attr]
-        before, seq = full_state(model, opt), group._get_sequence_number_for_group()
-        opt.step()
-        calls = group._get_sequence_number_for_group() - seq
-        opt.zero_grad()
-        out[f"inf_direct_{kind}"] = {
-            "before": before,
-            "after": full_state(model, opt),
-            "collectives": calls,
-        }
-        out[f"records_direct_{kind}"] = records + run(model, opt, batches[5:7])
-        out[f"fast_direct_{kind}"] = fast_path(opt)
-        out[f"direct_params_{kind}"] = opt._layouts[0].engine.direct  # type: ignore[attr-defined]
-        out[f"storage_kept_direct_{kind}"] = local_data_ptrs(model) == ptrs
+        records = run(model, opt, batches[:2])
+        if config == "direct":
+            x, y = local(batches[2], rank, WORLD)
+            nn.functional.mse_loss(model(x), y).backward()
+            if rank == 1:
+                last = list(model.parameters())[-1].grad
+                last._local_tensor.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+            before, seq = full_state(model, opt), group._get_sequence_number_for_group()
+            opt.step()
+            calls = group._get_sequence_number_for_group() - seq
+            opt.zero_grad()
+            out[f"inf_{config}_{kind}"] = {
+                "before": before,
+                "after": full_state(model, opt),
+                "collectives": calls,
+            }
+        out[f"records_{config}_{kind}"] = records + run(model, opt, batches[3:4])
+        out[f"fast_{config}_{kind}"] = fast_path(opt)
+        out[f"direct_params_{config}_{kind}"] = opt._layouts[0].engine.direct  # type: ignore[attr-defined]
+        out[f"storage_kept_{config}_{kind}"] = local_data_ptrs(model) == ptrs
     return out
 
 
@@ -1319,26 +1324,30 @@ def test_fsdp_transform_engine_uneven_and_empty_shards(fsdp: list[dict[str, Any]
     check_lockstep("engine", fsdp, "records_engine_tiny", exact=False, kind="tiny")
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tiny"])
-def test_fsdp_direct_route_on_local_shards(kind: str, fsdp: list[dict[str, Any]]) -> None:
-    """A transform leafwise given its reductions (a finite check around a global-norm clip)
-    steps its large local shards one at a time in FSDP2's storage, every rank with one
-    all-reduce per step (the finite count and the sum of squares together), although the ranks'
-    direct params differ; in lockstep with one process; an Inf in one rank's shard skips the
-    step on both ranks."""
+@pytest.mark.parametrize(("config", "kind"), DIRECT_RUNS)
+def test_fsdp_direct_route_on_local_shards(
+    config: str, kind: str, fsdp: list[dict[str, Any]]
+) -> None:
+    """A leafwise transform steps its large local shards one at a time in FSDP2's storage,
+    every rank with one all-reduce per step although the ranks' direct params differ: a finite
+    check around a global-norm clip (the finite count and the sum of squares together), and
+    DreamerV3's chain (every leaf's norms of gradient and param); in lockstep with one process.
+    An Inf in one rank's shard skips the finite-checked step on both ranks."""
     want = {"mlp": ([0, 2, 4], [0, 2]), "tiny": ([0, 2, 3], [])}[kind]
     for rank, result in enumerate(fsdp):
-        assert result[f"direct_params_{kind}"] == want[rank], rank
-        assert result[f"fast_direct_{kind}"]["sharded"], rank
-        assert result[f"storage_kept_direct_{kind}"], rank
-        key = f"records_direct_{kind}"
+        assert result[f"direct_params_{config}_{kind}"] == want[rank], rank
+        assert result[f"fast_{config}_{kind}"]["sharded"], rank
+        assert result[f"storage_kept_{config}_{kind}"], rank
+        key = f"records_{config}_{kind}"
         result[key] = engine_records(result, key)
-        inf = result[f"inf_direct_{kind}"]
+        if config != "direct":
+            continue
+        inf = result[f"inf_{config}_{kind}"]
         assert inf["collectives"] == 1, rank
         for name, value in inf["before"].items():
             if name.startswith(("param/", "state/")):
                 assert_bitwise(inf["after"][name], value, f"rank {rank}: {name} after the Inf")
-    check_lockstep("direct", fsdp, f"records_direct_{kind}", exact=False, kind=kind)
+    check_lockstep(config, fsdp, f"records_{config}_{kind}", exact=False, kind=kind)
 
 
 def test_fsdp_state_is_sharded_like_the_params(fsdp: list[dict[str, Any]]) -> None:
