@@ -128,6 +128,9 @@ class PackedGroup:
         self.outline = optree.tree_unflatten(spec, [kind for kind, _ in slots])
         self.one_leaf: tuple[Tensor, ...] = ()
         """A sharded group's stand-in arguments of one param's step (one element each)."""
+        self.rank_orders: dict[bool, tuple[Tensor, Tensor]] = {}
+        """A sharded group's parts' params in the parts' order (the direct ones, then the packed
+        ones, with or without them), and the inverse permutation: the group's order."""
         self.sharded_direct = False
         """Whether a sharded group steps its large local shards directly (a leafwise
         transform, params of one dtype). Then every rank, whatever its own shards' sizes, first
@@ -139,6 +142,10 @@ class PackedGroup:
         norms: :func:`needs_other_ranks`, the same on every rank)."""
         self.stand_in_totals: list[Tensor] = []
         """A sharded group's totals of one stand-in param (:attr:`one_leaf`), pass by pass."""
+        self.stand_in_passes: dict[tuple[int, Stages], tuple[list[str], list[Tensor]]] = {}
+        """Per totals pass (totals known, stages): what it computes, found on the stand-in
+        (:func:`reduction_sources`; the kinds and the stand-in's partials, whose shapes are
+        what a pass needs of them)."""
         if direct_min > 0 and leafwise(tx, reductions=True):
             if not self.sharded:
                 self.direct = direct_params(tx, params, direct_min)
@@ -503,13 +510,16 @@ class PackedGroup:
             if loaded is not None:
                 updates, state, given_params, _ = loaded
                 parts.append(self.runner.partials(updates, state, given_params, {}, per_part[-1]))
-            sources, partials = reduction_sources(
-                self.tx,
-                self.outline,
-                kinds,
-                len(self.stand_in_totals),
-                (*self.one_leaf, *given, *self.stand_in_totals),
-            )
+            key = (len(self.stand_in_totals), found)
+            if key not in self.stand_in_passes:
+                self.stand_in_passes[key] = reduction_sources(
+                    self.tx,
+                    self.outline,
+                    kinds,
+                    len(self.stand_in_totals),
+                    (*self.one_leaf, *given, *self.stand_in_totals),
+                )
+            sources, partials = self.stand_in_passes[key]
             if not sources:
                 return per_part
             self.stand_in_totals += partials[:exact]
@@ -532,8 +542,17 @@ class PackedGroup:
         blocks of one value per leaf, in leaf order) summed over the ranks leaf by leaf, in the
         group's param order (the ranks' parts hold different params). All in one
         ``all_reduce``."""
-        owners = [[i] for i in self.direct] + ([self.rest] if packed else [])
-        n = len(self.keys)
+        counts = [1] * len(self.direct) + ([len(self.rest)] if packed else [])
+        if packed not in self.rank_orders:
+            # the parts' params, in the parts' order: where each of the group's params sits
+            members = [*self.direct, *(self.rest if packed else [])]
+            device = parts[0][0].device
+            self.rank_orders[packed] = (
+                torch.tensor(members, device=device),
+                torch.tensor(sorted(range(len(members)), key=members.__getitem__), device=device),
+            )
+        order, inverse = self.rank_orders[packed]
+        n = order.numel()
         dtype = torch.float32
         for part in parts:
             for x in part[: len(sources)]:
@@ -545,28 +564,31 @@ class PackedGroup:
                 pieces.append(_lists.summed([part[j] for part in parts]).to(dtype).reshape(1))
                 blocks.append(0)
                 continue
-            m = parts[0][j].numel() // len(owners[0])
-            matrix = torch.zeros(m, n, dtype=dtype, device=parts[0][j].device)
-            for owned, part in zip(owners, parts, strict=True):
-                matrix[:, owned] = part[j].reshape(m, len(owned)).to(dtype)
-            pieces.append(matrix.reshape(-1))
+            m = parts[0][j].numel() // counts[0]
+            pairs = zip(parts, counts, strict=True)
+            columns = [part[j].to(dtype).reshape(m, c) for part, c in pairs]
+            by_param = torch.cat(columns, dim=1).index_select(1, inverse)
+            pieces.append(by_param.reshape(-1))
             blocks.append(m)
         whole = _lists.sum_over_shards(torch.cat(pieces))
+        # each total a tensor of its own (a view at an offset of ``whole`` would make the
+        # compiled kernels taking it treat the offset as a symbol: called through dynamo)
         offset = 0
         for j, m in enumerate(blocks):
             if m == 0:
-                total = whole[offset]
+                total = whole[offset].clone()
                 for q, totals in enumerate(per_part):
                     like = parts[q][j] if q < len(parts) else total
                     totals.append(total.to(like.dtype))
                 offset += 1
                 continue
-            matrix = whole[offset : offset + m * n].view(m, n)
+            by_part = whole[offset : offset + m * n].view(m, n).index_select(1, order)
+            mine = torch.split(by_part, counts, dim=1)
             for q, totals in enumerate(per_part):
-                if q < len(owners):
-                    totals.append(matrix[:, owners[q]].reshape(-1).to(parts[q][j].dtype))
+                if q < len(parts):
+                    totals.append(mine[q].reshape(-1).to(parts[q][j].dtype, copy=True))
                 else:  # (no packed params: never read)
-                    totals.append(matrix.new_zeros(0))
+                    totals.append(by_part.new_zeros(0))
             offset += m * n
 
     def _direct_parts(
