@@ -8,9 +8,14 @@ gradient present with its param's dtype, per-parameter state shaped like the par
   ``functional_opt.pack`` lays out the params, and ``optimizer.state[p][name]`` is a view of it
   (what ``state_dict()`` saves is unchanged; a state loaded or replaced by hand is copied back
   into the buffers on the next step);
-* the gradients are copied into a flat buffer of the same layout, which then takes the update
-  (when the params' gradients already are views of that buffer, set so by the user, they are
-  read in place and the update gets a buffer of its own: the optimizer never writes them);
+* the gradients are copied into a flat buffer of the same layout, which then takes the update.
+  Gradients that persist between steps (the same tensors as on the last step:
+  ``zero_grad(set_to_none=False)``) are rebound to their views of that buffer once copied
+  (bucket views, as DDP's ``gradient_as_bucket_view``), so backward accumulates into it and
+  later steps read them in place; the update then gets a buffer of its own (the optimizer never
+  writes the gradients). A step whose gradients are those views, whose params' memory did not
+  move and whose state dicts are the last step's is a *usual* one: it skips the per-param checks
+  (:meth:`PackedGroup.usual_grads`);
 * the transform's update runs on these packed trees through :func:`functional_opt.engine.fused`
   (compiled into single-pass kernels; the moments updated in their buffers, the update written
   into the gradient buffer); the params come in as a loose packed tree, copied into a buffer
@@ -42,7 +47,7 @@ dimension's process group by one all-reduce per reduction, inside the graph.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -75,6 +80,8 @@ from functional_opt.leaf_step import (
 from functional_opt.packed import Gather, Layout, Packed, pack
 
 from .flat_dreamerv3 import overlapping
+
+_GRAD = operator.attrgetter("grad")
 
 APPLY_INSIDE_MAX = 4
 """At most this many packed params of a group (the direct ones aside) get the update added
@@ -225,6 +232,59 @@ class PackedGroup:
         self.param_gather: Gather | None = None
         """Copies the packed params into :attr:`params` (a transform that reads them)."""
         self.probed = False
+        self.usual: tuple[list[int], list[dict[str, Tensor]]] | None = None
+        """What the last step that ended well saw (the params' addresses, their state
+        dicts), which the next step takes as its usual one (:meth:`usual_grads`); ``None``
+        while a step runs, so a step that raised is followed by a fully checked one."""
+        self.persisting: list[int] = []
+        """The ids of the packed params' gradients of the last step (:meth:`_load`)."""
+        self.low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+        self.rest_views: list[Tensor] = [self.grad_views[i] for i in self.rest]  # type: ignore[misc]
+        """The packed params' views of the gradient buffer (never ``None``)."""
+        self.rest_of = operator.itemgetter(*self.rest) if len(self.rest) > 1 else None
+
+    def _rest(self, values: list[Any]) -> list[Any]:
+        """The packed params' entries of a per-param list."""
+        if self.rest_of is None:
+            return [values[i] for i in self.rest]
+        return list(self.rest_of(values))
+
+    def usual_grads(
+        self, params: list[Tensor], states: Mapping[Tensor, dict[str, Tensor]]
+    ) -> tuple[list[Tensor], list[dict[str, Tensor]]] | None:
+        """The params' gradients and state dicts when this step is a *usual* one, which needs
+        none of the per-param checks of the first step (their results cannot have changed): the
+        packed
+        params' gradients are this group's views of its gradient buffer (bucket views: see
+        :meth:`_load`), every direct param has a dense gradient of its shape and dtype, no
+        param's memory moved (``p.data`` re-pointed) and every state dict is the one the last
+        step used. ``None`` otherwise (the step takes the checked path). Plain groups only."""
+        usual = self.usual
+        if usual is None or self.sharded:
+            return None
+        grads: list[Tensor] = list(map(_GRAD, params))
+        if self.rest and not all(map(operator.is_, self._rest(grads), self.rest_views)):
+            return None
+        for i in self.direct:
+            g, p = grads[i], params[i]
+            if (
+                g is None
+                or type(g) not in _lists._PLAIN
+                or g.layout != torch.strided
+                or g.dtype != p.dtype
+                or g.device != p.device
+                or g.shape != p.shape
+            ):
+                return None
+        if list(map(Tensor.data_ptr, params)) != usual[0]:
+            return None
+        if not all(map(operator.is_, map(states.__getitem__, params), usual[1])):
+            return None
+        return grads, usual[1]
+
+    def accept(self, params: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        """Record a step that ended well (see :attr:`usual`)."""
+        self.usual = (list(map(Tensor.data_ptr, params)), states)
 
     def _stand_in(
         self,
@@ -337,17 +397,40 @@ class PackedGroup:
         """The packed params' gradients copied into the buffer (unless they are its views) and
         their values where the transform reads them: ``(updates, state, params, donate)`` as
         the runner takes them."""
-        params = [params[i] for i in self.rest]
-        grads = [grads[i] for i in self.rest]
+        params = self._rest(params)
+        grads = self._rest(grads)
         state = optree.tree_unflatten(self.spec, outer)
-        grad_views = [self.grad_views[i] for i in self.rest]
-        # The gradient buffer is ours (a copy) unless the params' gradients are its views (bucket
-        # views set by the user): then they are the user's, and the update may not be written
-        # over them (the optimizer never writes the gradients).
-        ours = not all(map(operator.is_, grads, grad_views))
-        if ours:
+        grad_views = self.rest_views
+        # The gradient buffer is ours (a copy) unless the params' gradients are its views
+        # (bucket views): then they are the user's, and the update may not be written over them
+        # (the optimizer never writes the gradients).
+        same = list(map(operator.is_, grads, grad_views))
+        ours = not all(same)
+        if ours and any(same):
+            # Some are views already (a param that had no gradient got a fresh one): the others
+            # copied into theirs, and rebound to them as the rest are (a gather would read the
+            # buffer it writes)
+            fresh = [j for j, s in enumerate(same) if not s]
+            torch._foreach_copy_([grad_views[j] for j in fresh], [grads[j] for j in fresh])
+            if not self.sharded:
+                for j in fresh:
+                    params[j].grad = grad_views[j]
+            ours = False
+        elif ours:
             assert self.grad_gather is not None
             self.grad_gather(grads)
+            ids = list(map(id, grads))
+            if not self.sharded and ids == self.persisting:
+                # The same gradient tensors as on the last step: they persist between steps
+                # (``zero_grad(set_to_none=False)``), so from now on they are the buffer's
+                # views, which hold their values now and which backward accumulates into (as
+                # DDP's ``gradient_as_bucket_view``). A fresh tensor that happens to get a
+                # freed one's id is rebound too: its values are in the view all the same.
+                for p, view in zip(params, grad_views, strict=True):
+                    p.grad = view
+                ours = False
+                ids = list(map(id, grad_views))
+            self.persisting = ids
         donate: dict[str, Any] = {DONATE: True if ours else STATE_ONLY}
         layout = self.layout
         assert layout is not None

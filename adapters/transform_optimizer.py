@@ -535,7 +535,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         if (
             layout is not None
             and layout.group is group
-            and [id(p) for p in group["params"]] == layout.param_ids
+            and list(map(id, group["params"])) == layout.param_ids
             and all(
                 numeric == old[0] and _same(value, old[1])
                 for (numeric, value), old in zip(
@@ -707,6 +707,16 @@ class TransformOptimizer(torch.optim.Optimizer):
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         layout = self._layout(index, group)
         params: list[Tensor] = group["params"]
+        engine = layout.engine
+        if (
+            isinstance(engine, PackedGroup)
+            and self.fused_steps
+            and not (self.upcast_16bit_grads and engine.low_precision)
+        ):
+            usual = engine.usual_grads(params, self.state)
+            if usual is not None:  # checked on the step that made it usual
+                self._update_group(layout, group, params, usual[0], usual[1])  # type: ignore[arg-type]
+                return
         grads: list[Tensor | None] = []
         need = []
         for j, p in enumerate(params):
@@ -742,13 +752,18 @@ class TransformOptimizer(torch.optim.Optimizer):
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor | None],
+        usual: list[dict[str, Tensor]] | None = None,
     ) -> None:
+        """The group's update; ``usual``: the params' state dicts of a usual engine step
+        (:meth:`PackedGroup.usual_grads`), which then skips the engine's checks."""
         for option, arg in layout.numeric.items():
             layout.hyper[arg].fill_(group[option])
         group_state = self._group_state_in(group, layout)
-        engine = self._engine(layout, params, grads, group_state)
+        engine = (
+            layout.engine if usual is not None else self._engine(layout, params, grads, group_state)
+        )
         if engine is not None:
-            self._engine_update(layout, group, params, grads, engine, group_state)  # type: ignore[arg-type]
+            self._engine_update(layout, group, params, grads, engine, group_state, usual)  # type: ignore[arg-type]
             return
         outer = _outer_state(
             layout,
@@ -865,8 +880,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         grads: list[Tensor],
         engine: PackedGroup,
         group_state: dict[str, Tensor],
+        entries: list[dict[str, Tensor]] | None = None,
     ) -> None:
-        engine.adopt_state([self.state[p] for p in params])
+        engine.usual = None  # (until this step ends well)
+        if entries is None:
+            entries = list(map(self.state.__getitem__, params))
+        engine.adopt_state(entries)
         outer = _outer_state(layout, group_state, engine.packed_state)
         ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
         new_state = engine.step(params, grads, outer, ratio)
@@ -885,6 +904,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 src.append(new)
         _copy_state(dst, src)
         self._group_state_out(group, layout)
+        if not engine.sharded:
+            engine.accept(params, entries)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, holding tensors and plain data only: a group option that is
