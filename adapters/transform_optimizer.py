@@ -399,6 +399,13 @@ class TransformOptimizer(torch.optim.Optimizer):
         factory = self._factory
         args = self._validate_options(group, n)
         static = [arg for arg, value in args.items() if not _is_number(value)]
+        # The factory's arguments that are no option (of a subclass's ``options``) keep their
+        # defaults for good: fixed, not injected (a weight decay of 0.0 then costs nothing)
+        static += [
+            name
+            for name, p in inspect.signature(factory).parameters.items()
+            if name not in args and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
         numeric = {o: a for o, a in self._option_args.items() if a not in static}
         tx = inject_hyperparams(factory, static_args=static, hyperparam_dtype=HYPERPARAM_DTYPE)
         return tx(**args), numeric

@@ -414,9 +414,70 @@ def local_norms(xs: Sequence[Tensor]) -> list[Tensor]:
             # one tensor at a time)
             return list(torch._foreach_norm(list(xs), 2, dtype=torch.float32))
         xs = [x.float() if x.dtype in _HALF else x for x in xs] if half else xs
-        return list(torch._foreach_norm(list(xs)))
+        return _full_precision_norms(xs)
     xs = [x.float() if x.dtype in _HALF else x for x in xs]
     return [torch.linalg.vector_norm(x) for x in xs]
+
+
+DOT_MIN = 1 << 14
+"""Contiguous float32/float64 tensors of at least this many elements have their norm taken as
+``sqrt(dot(x, x))`` (a BLAS dot product: one stream at full read bandwidth), the others by
+``torch._foreach_norm``."""
+
+_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def _full_precision_norms(xs: Sequence[Tensor]) -> list[Tensor]:
+    """The norms of plain or ``DTensor`` float32/float64 tensors (local ones for a ``DTensor``,
+    by ``_foreach_norm``): the long contiguous plain ones by BLAS dot products (measured 1.7x
+    as fast as ``_foreach_norm`` on 16.8M float32 elements, one thread; inside a compiled
+    graph through the opaque op :func:`_dot_norms`, which inductor would otherwise lower to a
+    slower reduction loop of its own), when autograd records nothing (the op has no
+    derivative)."""
+    recording = torch.is_grad_enabled()
+    long = [
+        i
+        for i, x in enumerate(xs)
+        if type(x) in _PLAIN
+        and x.numel() >= DOT_MIN
+        and x.dtype in _DOT_DTYPES
+        and not (recording and x.requires_grad)
+        and x.is_contiguous()
+    ]
+    if not long:
+        return list(torch._foreach_norm(list(xs)))
+    big = [xs[i] for i in long]
+    dots = torch.ops.functional_opt.dot_norms(big) if torch.compiler.is_compiling() else None
+    out: list[Tensor | None] = [None] * len(xs)
+    for i, n in zip(long, dots if dots is not None else _dot_norms_of(big), strict=True):
+        out[i] = n
+    taken = set(long)
+    rest = [i for i in range(len(xs)) if i not in taken]
+    if rest:
+        for i, n in zip(rest, torch._foreach_norm([xs[i] for i in rest]), strict=True):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+def _dot_norms_of(xs: list[Tensor]) -> list[Tensor]:
+    return [torch.dot(x.view(-1), x.view(-1)).sqrt_() for x in xs]
+
+
+# ``functional_opt::dot_norms(xs)``: ``[sqrt(dot(x, x)) for x in xs]`` of contiguous
+# float32/float64 tensors (0-d, in each one's dtype). Defined on the dispatcher directly (a
+# ``torch.library.custom_op`` adds some tens of microseconds of Python per call).
+_LIBRARY = torch.library.Library("functional_opt", "DEF")  # type: ignore[no-untyped-call]
+_LIBRARY.define("dot_norms(Tensor[] xs) -> Tensor[]")  # type: ignore[no-untyped-call]
+_LIBRARY.impl(  # type: ignore[no-untyped-call]
+    "dot_norms", _dot_norms_of, "CompositeExplicitAutograd"
+)
+
+
+def _dot_norms_fake(xs: list[Tensor]) -> list[Tensor]:
+    return [x.new_empty(()) for x in xs]
+
+
+torch.library.register_fake("functional_opt::dot_norms", _dot_norms_fake, lib=_LIBRARY)
 
 
 def _summed_norms(local: list[Tensor]) -> list[Tensor]:
