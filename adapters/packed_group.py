@@ -70,6 +70,7 @@ from functional_opt.base import (
 from functional_opt.engine import Runner
 from functional_opt.leaf_step import (
     GIVEN,
+    GivenPack,
     gradient_reductions,
     large_parts,
     leaf_partials,
@@ -125,7 +126,7 @@ class PackedGroup:
         self.direct: list[int] = []
         """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
         self.tx = tx
-        self.leaf_steps: dict[tuple[int, Stages], _kernels.Kernel] = {}
+        self.leaf_steps: dict[tuple[int, Stages, bool], _kernels.Kernel] = {}
         """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes
         and the transform's stages; with ``-1 - k`` the pass giving their partials with ``k``
         totals (:func:`leaf_partials`)."""
@@ -216,8 +217,11 @@ class PackedGroup:
         }
         """What ``optimizer.state[p][name]`` holds: the views (``DTensor``s wrapping them for a
         sharded group)."""
+        self.given_pack: GivenPack | None = None
+        """How the direct params' steps take the state that is not per parameter: packed into
+        a buffer per dtype (a few graph inputs, not one per leaf)."""
         self.leaf_outs: list[Tensor] = []
-        """Where the direct params' steps write the state that is not per parameter."""
+        """Where the direct params' steps write it (:attr:`given_pack`'s buffers)."""
         self.gradient_passes: dict[tuple[int, Stages], tuple[int, tuple[str, ...]]] = {}
         """Per partials pass (code, stages): what it computes (:func:`gradient_reductions`)."""
         self.leaf_kernels: dict[tuple[int, int, Stages], Callable[..., Any]] = {}
@@ -540,17 +544,20 @@ class PackedGroup:
             if value is not old:
                 old.copy_(value)
 
-    def _leaf_kernel(self, code: int, found: Stages = ()) -> _kernels.Kernel | None:
-        """The direct params' compiled step taking ``code`` totals, or (``code < 0``) their
-        partials pass with ``-1 - code`` totals, for the transform's stages ``found``; ``None``
-        for a state it cannot rebuild."""
-        key = (code, found)
+    def _leaf_kernel(
+        self, code: int, found: Stages = (), pack: GivenPack | None = None
+    ) -> _kernels.Kernel | None:
+        """The direct params' compiled step taking ``code`` totals (the state that is not per
+        parameter as ``pack``'s buffers, if given), or (``code < 0``) their partials pass with
+        ``-1 - code`` totals, for the transform's stages ``found``; ``None`` for a state it
+        cannot rebuild."""
+        key = (code, found, pack is not None)
         if key not in self.leaf_steps:
             kinds = [kind for kind, _ in self.slots]
             fn: Callable[..., Any] | None
             if code >= 0:
                 apply = not zero_updates(self.tx, found)
-                fn = leaf_step(self.tx, self.outline, kinds, code, apply)
+                fn = leaf_step(self.tx, self.outline, kinds, code, apply, pack)
             else:
                 fn = leaf_partials(self.tx, self.outline, kinds, -1 - code)
             if fn is None:
@@ -729,14 +736,16 @@ class PackedGroup:
         is not per parameter (every call computes the same ones)."""
         kinds = [kind for kind, _ in self.slots]
         known = len(totals[0])
-        step = self._leaf_kernel(known, found)
-        assert step is not None
-        if not self.leaf_outs:
-            self.leaf_outs = [
-                torch.empty_like(x) for x, k in zip(outer, kinds, strict=True) if k in GIVEN
-            ]
-        names = [name for kind, name in self.slots if kind == "param"]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
+        if self.given_pack is None or not self.given_pack.fits(given):
+            self.given_pack = GivenPack(given)
+            self.leaf_outs = self.given_pack.empty()
+            self.leaf_steps = {k: v for k, v in self.leaf_steps.items() if not k[2]}
+            self.leaf_kernels.clear()
+        step = self._leaf_kernel(known, found, self.given_pack)
+        assert step is not None
+        names = [name for kind, name in self.slots if kind == "param"]
+        packed = self.given_pack.pack(given)
         device = params[self.direct[0]].device
         if isinstance(ratio, Tensor):
             scale = ratio.detach().to(device=device, dtype=torch.float64)
@@ -744,9 +753,9 @@ class PackedGroup:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
         for i, own in zip(self.direct, totals, strict=True):
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
-            args += (*[self.state_views[name][i] for name in names], *given, *self.leaf_outs)
+            args += (*[self.state_views[name][i] for name in names], *packed, *self.leaf_outs)
             step.kept_call(self.leaf_kernels, (i, known, found), (*args, *own))
-        news = iter([x.clone() for x in self.leaf_outs])
+        news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 
 

@@ -227,7 +227,9 @@ def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     if not xs:
         return []
     s = once(s)
-    if use_foreach(xs, s):
+    # Compiled, ``_foreach_add`` of a tensor scalar is lowered through ``s.item()`` (a host sync
+    # that splits the graph's kernel in two); ``x + s`` per tensor fuses like any other op.
+    if use_foreach(xs, s) and not (isinstance(s, Tensor) and torch.compiler.is_compiling()):
         return like(torch._foreach_add(list(xs), s), xs)
     return like([x + s for x in xs], xs)
 

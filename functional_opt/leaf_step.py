@@ -18,7 +18,7 @@ trees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -30,6 +30,7 @@ from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leaf
 
 __all__ = [
     "GIVEN",
+    "GivenPack",
     "Rebuild",
     "gradient_reductions",
     "gradient_reductions_pass",
@@ -51,6 +52,7 @@ def leaf_step(
     kinds: list[str],
     totals: int = 0,
     apply: bool = True,
+    pack: GivenPack | None = None,
 ) -> Callable[..., None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
@@ -69,6 +71,10 @@ def leaf_step(
     transform that declares stages (:func:`functional_opt.base.declare_stages`) is traced
     under the caller's :func:`functional_opt.base.staged`, one compiled step per stage.
 
+    ``pack``: ``given`` and ``outs`` come as ``pack``'s buffers (:meth:`GivenPack.pack`), a
+    few inputs instead of one per leaf (each input of a compiled graph is checked on every
+    call).
+
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
     ``"hyper"`` or ``"none"``). ``None`` when the state holds a node :class:`Rebuild` cannot
@@ -77,13 +83,15 @@ def leaf_step(
     if shape is None:
         return None
     n_param = kinds.count("param")
-    n_given = sum(k in GIVEN for k in kinds)
+    n_given = sum(k in GIVEN for k in kinds) if pack is None else len(pack.keys)
     across = totals > 0 or not leafwise(tx)
 
     def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> None:
         state_in = iter(args[:n_param])
-        given = iter([x.clone() for x in args[n_param : n_param + n_given]])
-        outs = iter(args[n_param + n_given : n_param + 2 * n_given])
+        given_in = [x.clone() for x in args[n_param : n_param + n_given]]
+        outs_in = list(args[n_param + n_given : n_param + 2 * n_given])
+        given = iter(given_in if pack is None else pack.unpack(given_in))
+        outs = iter(outs_in if pack is None else pack.unpack(outs_in))
         leaves = [
             next(state_in) if k == "param" else (None if k == "none" else next(given))
             for k in kinds
@@ -110,6 +118,51 @@ def leaf_step(
                 next(outs).copy_(value)
 
     return step
+
+
+class GivenPack:
+    """The state leaves that are not per parameter (:data:`GIVEN`), packed for
+    :func:`leaf_step`: one flat buffer per dtype and device, each leaf a view of its buffer in
+    the step's graph."""
+
+    def __init__(self, given: Sequence[Tensor]) -> None:
+        where: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, x in enumerate(given):
+            where.setdefault((x.dtype, x.device), []).append(i)
+        self.keys = list(where)
+        self.members = list(where.values())
+        """Per buffer, which leaves it holds, in order."""
+        self.slots: list[tuple[int, int, int, torch.Size]] = [(0, 0, 0, torch.Size())] * len(given)
+        """Per leaf: its buffer, offset, number of elements and shape."""
+        for b, members in enumerate(self.members):
+            offset = 0
+            for i in members:
+                n = given[i].numel()
+                self.slots[i] = (b, offset, n, given[i].shape)
+                offset += n
+        self.sizes = [sum(given[i].numel() for i in m) for m in self.members]
+
+    def fits(self, given: Sequence[Tensor]) -> bool:
+        """Whether ``given`` has the leaves this pack was made for (dtypes, devices, shapes)."""
+        return len(given) == len(self.slots) and all(
+            (x.dtype, x.device) == self.keys[b] and x.shape == shape
+            for x, (b, _, _, shape) in zip(given, self.slots, strict=True)
+        )
+
+    def pack(self, given: Sequence[Tensor]) -> list[Tensor]:
+        """``given`` copied into fresh buffers."""
+        return [torch.cat([given[i].reshape(-1) for i in m]) for m in self.members]
+
+    def empty(self) -> list[Tensor]:
+        """Buffers to write into."""
+        return [
+            torch.empty(n, dtype=dtype, device=device)
+            for n, (dtype, device) in zip(self.sizes, self.keys, strict=True)
+        ]
+
+    def unpack(self, buffers: Sequence[Tensor]) -> list[Tensor]:
+        """Each leaf's view of ``buffers``."""
+        return [buffers[b][o : o + n].view(shape) for b, o, n, shape in self.slots]
 
 
 def leaf_partials(

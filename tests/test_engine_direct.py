@@ -28,6 +28,7 @@ import functional_opt as fo
 from functional_opt import tree
 from functional_opt.adapters import TransformOptimizer
 from functional_opt.base import leafwise
+from functional_opt.leaf_step import GivenPack
 
 LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
     "adam": lambda: fo.adam(1e-2),
@@ -204,6 +205,31 @@ def test_large_params_step_in_their_own_storage_like_the_per_tensor_path(name: s
     assert_bitwise([p.detach() for p in params], frozen)
 
 
+def test_the_state_that_is_not_per_parameter_packs_and_unpacks_whole() -> None:
+    """The direct steps take the counters and other shared state as one buffer per dtype: each
+    leaf comes back bit for bit, in its shape, as a view of its buffer; a pack refuses leaves
+    of another shape or dtype."""
+    given = [
+        torch.tensor(3, dtype=torch.int64),
+        torch.tensor([0.5, -2.0]),
+        torch.tensor(7, dtype=torch.int64),
+        torch.randn(2, 3),
+        torch.tensor(1.25, dtype=torch.float64),
+    ]
+    pack = GivenPack(given)
+    buffers = pack.pack(given)
+    assert [b.dtype for b in buffers] == [torch.int64, torch.float32, torch.float64]
+    back = pack.unpack(buffers)
+    assert_bitwise(back, given)
+    for x, buf in zip(back, (buffers[pack.slots[i][0]] for i in range(len(given))), strict=True):
+        assert x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert [b.shape for b in pack.empty()] == [b.shape for b in buffers]
+    assert pack.fits([x.clone() for x in given])
+    assert not pack.fits([*given[:3], torch.randn(3, 2), given[4]])
+    assert not pack.fits([*given[:4], given[4].float()])
+    assert not pack.fits(given[:4])
+
+
 def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
     """One compiled graph serves the direct params of one rank whatever their sizes, and later
     calls go straight to it."""
@@ -215,7 +241,7 @@ def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
         model(torch.randn(4, 16)).pow(2).mean().backward()
         opt.step()
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
-    compiled = list(engine.leaf_steps[0, ()].compiled.values())
+    compiled = list(engine.leaf_steps[0, (), True].compiled.values())
     assert len(compiled) == 1
     assert compiled[0]._graphs == 1
     assert compiled[0].direct is not None
