@@ -127,7 +127,12 @@ def once_per_leaf(factors: Tensor) -> Tensor:
 
 
 def _computed_once(x: Tensor) -> Tensor:
-    return torch.stack([x, x]).amax(0)  # exactly x
+    # exactly x. A 0-d value: a reduction over its broadcast (no buffer but the result's; one
+    # to a scalar output stays a reduction). A vector: over a stack, which is a buffer of its
+    # own (a reduction this small to a vector is unrolled into its consumers' loops).
+    if x.dim() == 0:
+        return x.expand(2).amax(0)
+    return torch.stack([x, x]).amax(0)
 
 
 def _scalars(s: Scalar | Sequence[Scalar], n: int) -> list[Scalar]:
