@@ -70,6 +70,7 @@ from functional_opt.base import (
 from functional_opt.engine import Runner
 from functional_opt.leaf_step import (
     GIVEN,
+    LOW_PRECISION,
     GivenPack,
     gradient_reductions,
     large_parts,
@@ -110,6 +111,7 @@ class PackedGroup:
         group: Any = None,
         direct_min: int = 0,
         given: Sequence[Any] | None = None,
+        upcast: bool = False,
     ) -> None:
         self.slots_type = slots_type
         self.spec = spec
@@ -126,6 +128,11 @@ class PackedGroup:
         self.direct: list[int] = []
         """The params stepped one at a time in their own storage (see :func:`direct_params`)."""
         self.tx = tx
+        self.upcast = upcast and any(p.dtype in LOW_PRECISION for p in params)
+        """Whether 16-bit gradients are fed to the transform in float32
+        (``TransformOptimizer.upcast_16bit_grads``): the direct params' steps convert them as
+        they read them, the packed ones' buffer is float32 (the gradients are copied into it,
+        never its views)."""
         self.leaf_steps: dict[tuple[int, Stages, bool], _kernels.Kernel] = {}
         """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes
         and the transform's stages; with ``-1 - k`` the pass giving their partials with ``k``
@@ -181,15 +188,18 @@ class PackedGroup:
         device = params[0].device
         self.layout: Layout | None = None
         self.grads: list[Tensor] = []
+        self.param_dtypes: list[torch.dtype] = []
+        """The dtype of the packed params in each buffer of the layout."""
         order: list[list[int]] = []
         if rest:
             stand_ins = slots_type([torch.empty_like(p, device="meta") for p in rest])
             layout: Layout = pack(stand_ins).layout  # type: ignore[assignment]
             self.layout = layout
             order = [[self.rest[j] for j in layout.members(b)] for b in range(len(layout.sizes))]
+            self.param_dtypes = [params[members[0]].dtype for members in order]
             self.grads = [
-                torch.zeros(n, dtype=params[members[0]].dtype, device=device)
-                for n, members in zip(layout.sizes, order, strict=True)
+                torch.zeros(n, dtype=self._grad_dtype(dtype), device=device)
+                for n, dtype in zip(layout.sizes, self.param_dtypes, strict=True)
             ]
         self.grad_gather = Gather(self.layout, self.grads) if self.layout is not None else None
         """Copies the packed params' gradients into the buffer (one ``torch.cat`` per run of
@@ -242,10 +252,13 @@ class PackedGroup:
         while a step runs, so a step that raised is followed by a fully checked one."""
         self.persisting: list[int] = []
         """The ids of the packed params' gradients of the last step (:meth:`_load`)."""
-        self.low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
         self.rest_views: list[Tensor] = [self.grad_views[i] for i in self.rest]  # type: ignore[misc]
         """The packed params' views of the gradient buffer (never ``None``)."""
         self.rest_of = operator.itemgetter(*self.rest) if len(self.rest) > 1 else None
+
+    def _grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the gradient buffer for params of ``dtype``."""
+        return torch.float32 if self.upcast and dtype in LOW_PRECISION else dtype
 
     def _rest(self, values: list[Any]) -> list[Any]:
         """The packed params' entries of a per-param list."""
@@ -313,7 +326,7 @@ class PackedGroup:
         self.one_leaf = (one(dtype), one(dtype), *[one(templates[n][0].dtype) for n in names])
         kinds = [kind for kind, _ in self.slots]
         self.rank_reductions = needs_other_ranks(
-            self.tx, self.outline, kinds, (*self.one_leaf, *given)
+            self.tx, self.outline, kinds, (*self.one_leaf, *given), self.upcast
         )
         return True
 
@@ -424,7 +437,7 @@ class PackedGroup:
             assert self.grad_gather is not None
             self.grad_gather(grads)
             ids = list(map(id, grads))
-            if not self.sharded and ids == self.persisting:
+            if not self.sharded and not self.upcast and ids == self.persisting:
                 # The same gradient tensors as on the last step: they persist between steps
                 # (``zero_grad(set_to_none=False)``), so from now on they are the buffer's
                 # views, which hold their values now and which backward accumulates into (as
@@ -528,7 +541,10 @@ class PackedGroup:
         try:
             self.tx.update(updates, state, None)
         except (ValueError, TypeError):
-            self.params = [torch.empty_like(b) for b in self.grads]
+            self.params = [
+                torch.empty_like(b, dtype=d)
+                for b, d in zip(self.grads, self.param_dtypes, strict=True)
+            ]
             self.param_views = updates.layout.views(self.params)  # type: ignore[union-attr,assignment]
             self.param_gather = Gather(updates.layout, self.params)  # type: ignore[arg-type]
 
@@ -557,9 +573,9 @@ class PackedGroup:
             fn: Callable[..., Any] | None
             if code >= 0:
                 apply = not zero_updates(self.tx, found)
-                fn = leaf_step(self.tx, self.outline, kinds, code, apply, pack)
+                fn = leaf_step(self.tx, self.outline, kinds, code, apply, pack, self.upcast)
             else:
-                fn = leaf_partials(self.tx, self.outline, kinds, -1 - code)
+                fn = leaf_partials(self.tx, self.outline, kinds, -1 - code, self.upcast)
             if fn is None:
                 return None
             self.leaf_steps[key] = _kernels.Kernel(fn)
@@ -608,6 +624,7 @@ class PackedGroup:
                     kinds,
                     len(self.stand_in_totals),
                     (*self.one_leaf, *given, *self.stand_in_totals),
+                    self.upcast,
                 )
             sources, partials = self.stand_in_passes[key]
             if not sources:
@@ -706,7 +723,7 @@ class PackedGroup:
         def probe() -> tuple[int, tuple[str, ...]]:
             # (a sharded group: on the stand-in, so that every rank finds the same)
             sample = (*self.one_leaf, *given, *self.stand_in_totals) if self.sharded else args(0)
-            return gradient_reductions(self.tx, self.outline, kinds, known, sample)
+            return gradient_reductions(self.tx, self.outline, kinds, known, sample, self.upcast)
 
         return large_parts(
             self.gradient_passes,

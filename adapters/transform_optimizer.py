@@ -53,7 +53,7 @@ from functional_opt.base import (
     step_size,
 )
 from functional_opt.checkpoint import state_paths
-from functional_opt.leaf_step import GIVEN
+from functional_opt.leaf_step import GIVEN, LOW_PRECISION
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
 from .packed_group import (
@@ -715,11 +715,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         layout = self._layout(index, group)
         params: list[Tensor] = group["params"]
         engine = layout.engine
-        if (
-            isinstance(engine, PackedGroup)
-            and self.fused_steps
-            and not (self.upcast_16bit_grads and engine.low_precision)
-        ):
+        if isinstance(engine, PackedGroup) and self.fused_steps:
             usual = engine.usual_grads(params, self.state)
             if usual is not None:  # checked on the step that made it usual
                 self._update_group(layout, group, params, usual[0], usual[1])  # type: ignore[arg-type]
@@ -731,8 +727,6 @@ class TransformOptimizer(torch.optim.Optimizer):
             if g is not None:
                 if g.is_sparse or g.shape != p.shape:
                     self._check_grad(index, j, p, g)
-                if self.upcast_16bit_grads and g.dtype in (torch.float16, torch.bfloat16):
-                    g = g.float()
                 if len(self.state.get(p, ())) != len(layout.param_template[j]):
                     need.append(j)
             grads.append(g)
@@ -772,6 +766,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         if engine is not None:
             self._engine_update(layout, group, params, grads, engine, group_state, usual)  # type: ignore[arg-type]
             return
+        if self.upcast_16bit_grads:  # (the engine converts them as it reads them)
+            grads = [g.float() if g is not None and g.dtype in LOW_PRECISION else g for g in grads]
         outer = _outer_state(
             layout,
             group_state,
@@ -855,6 +851,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                         layout.spec,
                         slots,
                         direct_min=self.direct_min_numel,
+                        upcast=self.upcast_16bit_grads,
                     )
                 else:
                     outer = _outer_state(layout, group_state, lambda name: None)
@@ -870,6 +867,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                         shards.group,
                         direct_min=self.direct_min_numel,
                         given=given,
+                        upcast=self.upcast_16bit_grads,
                     )
             except NotPackable:
                 layout.engine = False

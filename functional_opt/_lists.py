@@ -409,9 +409,11 @@ def local_norms(xs: Sequence[Tensor]) -> list[Tensor]:
     :func:`full_values`), a local shard's that of the shard; no collective."""
     if not xs:
         return []
+    if _WIDENED:
+        xs = [_narrow(x) for x in xs]
     half = any(x.dtype in _HALF for x in xs)
     if use_foreach(xs):
-        if half and all(type(x) is Tensor and x.dtype in (*_HALF, torch.float32) for x in xs):
+        if half and all(type(x) in _PLAIN and x.dtype in (*_HALF, torch.float32) for x in xs):
             if torch.compiler.is_compiling():
                 # inductor lowers each norm to one pass reading the 16-bit values; it runs
                 # the foreach form as torch's kernel, which first copies them to float32
@@ -467,7 +469,8 @@ def _full_precision_norms(xs: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _dot_norms_of(xs: list[Tensor]) -> list[Tensor]:
-    return [torch.dot(x.view(-1), x.view(-1)).sqrt_() for x in xs]
+    flat = [x.view(-1) for x in xs]
+    return [torch.dot(v, v).sqrt_() for v in flat]
 
 
 # ``functional_opt::dot_norms(xs)``: ``[sqrt(dot(x, x)) for x in xs]`` of contiguous
@@ -787,6 +790,30 @@ class Across:
 
 _ACROSS: Across | None = None
 """The active :class:`Across`, else ``None``."""
+
+_WIDENED: tuple[tuple[Tensor, Tensor], ...] = ()
+"""Pairs ``(wide, narrow)``: ``wide`` is ``narrow`` (a 16-bit tensor) converted to float32
+(see :func:`widened`)."""
+
+
+def widened(pairs: tuple[tuple[Tensor, Tensor], ...]) -> tuple[tuple[Tensor, Tensor], ...]:
+    """Declare each ``(wide, narrow)`` of ``pairs`` a float32 conversion of the 16-bit
+    ``narrow`` (``()``: none); returns the pairs it replaces, to restore after (a plain
+    function: compiled code calls it). :func:`local_norms` then takes the norm of ``wide``
+    from ``narrow``: the same values, in one pass over the 16-bit memory (a compiled graph
+    would otherwise write the float32 copy out for the norm). The engine declares the
+    gradients it converts for ``TransformOptimizer.upcast_16bit_grads``."""
+    global _WIDENED
+    old = _WIDENED
+    _WIDENED = pairs
+    return old
+
+
+def _narrow(x: Tensor) -> Tensor:
+    for wide, narrow in _WIDENED:
+        if x is wide:
+            return narrow
+    return x
 
 
 def across_parts(value: Across | None) -> Across | None:

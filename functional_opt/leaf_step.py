@@ -30,6 +30,7 @@ from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leaf
 
 __all__ = [
     "GIVEN",
+    "LOW_PRECISION",
     "GivenPack",
     "Rebuild",
     "gradient_reductions",
@@ -45,6 +46,24 @@ GIVEN = ("group", "hyper")
 """The kinds of state leaves that are not per parameter: each step gets them, and every call
 writes their same new values (see :func:`leaf_step`)."""
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+"""The gradient dtypes that ``upcast`` turns into float32 (see :func:`leaf_step`)."""
+
+
+def _fed_update(
+    tx: GradientTransformation, g: Tensor, state: Any, p: Tensor, upcast: bool, **extra: Any
+) -> tuple[Any, Any]:
+    """``tx.update([g], state, [p])``, with a 16-bit ``g`` fed in float32 if ``upcast`` (its
+    norms taken from ``g`` itself: :func:`functional_opt._lists.widened`)."""
+    if not (upcast and g.dtype in LOW_PRECISION):
+        return tx.update([g], state, [p], **extra)
+    wide = g.float()
+    old = _lists.widened(((wide, g),))
+    try:
+        return tx.update([wide], state, [p], **extra)
+    finally:
+        _lists.widened(old)
+
 
 def leaf_step(
     tx: GradientTransformation,
@@ -53,6 +72,7 @@ def leaf_step(
     totals: int = 0,
     apply: bool = True,
     pack: GivenPack | None = None,
+    upcast: bool = False,
 ) -> Callable[..., None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
@@ -74,6 +94,10 @@ def leaf_step(
     ``pack``: ``given`` and ``outs`` come as ``pack``'s buffers (:meth:`GivenPack.pack`), a
     few inputs instead of one per leaf (each input of a compiled graph is checked on every
     call).
+
+    ``upcast``: a 16-bit gradient is fed to the transform in float32 (``TransformOptimizer``'s
+    ``upcast_16bit_grads``); inside the compiled step that is a conversion in the pass that
+    reads it, not a copy.
 
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
@@ -99,7 +123,7 @@ def leaf_step(
         state = shape.build(iter(leaves))
         old = _lists.across_parts(_lists.Across(args[n_param + 2 * n_given :])) if across else None
         try:
-            updates, new = tx.update([g], state, [p], **{DONATE: STATE_ONLY})
+            updates, new = _fed_update(tx, g, state, p, upcast, **{DONATE: STATE_ONLY})
         finally:
             if across:
                 _lists.across_parts(old)
@@ -166,7 +190,7 @@ class GivenPack:
 
 
 def leaf_partials(
-    tx: GradientTransformation, outline: Any, kinds: list[str], known: int
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, upcast: bool = False
 ) -> Callable[..., tuple[Tensor, ...]] | None:
     """For a transform leafwise given its reductions: ``partials(g, p, *state, *given,
     *totals)``, one param's partial values of the reductions of ``tx.update`` on the one-param
@@ -174,8 +198,9 @@ def leaf_partials(
     it returns the partials of the others (the first is exact; the later ones stand on it, see
     :class:`functional_opt._lists.Across`). Writes nothing. The arguments are
     :func:`leaf_step`'s (without ``ratio`` and ``outs``); compiled, what the returned partials
-    do not need is left out (for ``clip_by_global_norm`` first in a chain: a pass over ``g``)."""
-    run = _partials_run(tx, outline, kinds, known)
+    do not need is left out (for ``clip_by_global_norm`` first in a chain: a pass over ``g``).
+    ``upcast``: as for :func:`leaf_step`."""
+    run = _partials_run(tx, outline, kinds, known, upcast)
     if run is None:
         return None
 
@@ -186,7 +211,12 @@ def leaf_partials(
 
 
 def gradient_reductions(
-    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, args: tuple[Any, ...]
+    tx: GradientTransformation,
+    outline: Any,
+    kinds: list[str],
+    known: int,
+    args: tuple[Any, ...],
+    upcast: bool = False,
 ) -> tuple[int, tuple[str, ...]]:
     """What a pass of :func:`leaf_partials` computes, found by running the update once,
     eagerly, on the pass's arguments ``args`` of one param (writing nothing): how many partials
@@ -195,8 +225,9 @@ def gradient_reductions(
     squares) or ``"non-finite"`` (a finite check's count). Those depend on no total still to
     come, so they are exact, and a pass over many params computes them with
     :func:`gradient_reductions_pass`, multi-tensor ops with the compiled pass's results,
-    without a compiled call per param. ``()`` where the first partial is of something else."""
-    run = _partials_run(tx, outline, kinds, known)
+    without a compiled call per param. ``()`` where the first partial is of something else
+    (or of a gradient that ``upcast`` converts first)."""
+    run = _partials_run(tx, outline, kinds, known, upcast)
     g = args[0]
     if run is None:
         return 0, ()
@@ -211,7 +242,11 @@ def gradient_reductions(
 
 
 def needs_other_ranks(
-    tx: GradientTransformation, outline: Any, kinds: list[str], args: tuple[Any, ...]
+    tx: GradientTransformation,
+    outline: Any,
+    kinds: list[str],
+    args: tuple[Any, ...],
+    upcast: bool = False,
 ) -> bool:
     """Whether one param's update, run on a *local shard* (FSDP2, HSDP), needs values of the
     other ranks beyond the totals of its reductions over all leaves (see
@@ -221,7 +256,7 @@ def needs_other_ranks(
     library's collectives counted instead of issued
     (:func:`functional_opt._lists.counted_collectives`). What it finds depends on the
     transform's code, not on the values, so every rank finds the same."""
-    run = _partials_run(tx, outline, kinds, 0)
+    run = _partials_run(tx, outline, kinds, 0, upcast)
     if run is None:
         return True
     with _lists.counted_collectives() as count:
@@ -230,13 +265,18 @@ def needs_other_ranks(
 
 
 def reduction_sources(
-    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, args: tuple[Any, ...]
+    tx: GradientTransformation,
+    outline: Any,
+    kinds: list[str],
+    known: int,
+    args: tuple[Any, ...],
+    upcast: bool = False,
 ) -> tuple[list[str], list[Tensor]]:
     """What a pass of :func:`leaf_partials` on the arguments ``args`` of one param computes,
     found by running the update once, eagerly (writing nothing): the kind of each partial
     (``"squares"``, ``"non-finite"``, or ``"ranks"``: a sum over the ranks of per-leaf values,
     see :func:`functional_opt._lists.sum_over_shards`) and the partials themselves."""
-    run = _partials_run(tx, outline, kinds, known)
+    run = _partials_run(tx, outline, kinds, known, upcast)
     if run is None:
         return [], []
     across = run(args[0], args[1], args[2:])
@@ -288,7 +328,7 @@ def large_parts(
 
 
 def _partials_run(
-    tx: GradientTransformation, outline: Any, kinds: list[str], known: int
+    tx: GradientTransformation, outline: Any, kinds: list[str], known: int, upcast: bool = False
 ) -> Callable[[Tensor, Tensor, tuple[Tensor, ...]], _lists.Across] | None:
     """``run(g, p, args)``: ``tx.update`` of the one-param tree ``[g]`` (state from ``args``, as
     :func:`leaf_partials` takes them) within an :class:`functional_opt._lists.Across` with the
@@ -309,7 +349,7 @@ def _partials_run(
         across = _lists.Across(args[n_param + n_given : n_param + n_given + known])
         old = _lists.across_parts(across)
         try:
-            tx.update([g], shape.build(iter(leaves)), [p])
+            _fed_update(tx, g, shape.build(iter(leaves)), p, upcast)
         finally:
             _lists.across_parts(old)
         return across

@@ -76,3 +76,42 @@ def test_autograd_through_a_norm_takes_the_differentiable_route() -> None:
     with torch.no_grad():  # no grad mode: the dot route, for a param too
         (again,) = _lists.norms([x])
     assert torch.equal(again, torch.dot(x.detach(), x.detach()).sqrt())
+
+
+def test_16bit_norms_read_the_16bit_values_also_of_params_and_widened_copies() -> None:
+    """A bfloat16 tensor's norm (a ``torch.nn.Parameter``'s too) is accumulated in float32 from
+    its 16-bit values, without a float32 copy for the dot op; so is the norm of a float32
+    conversion of one that :func:`_lists.widened` declares (the engine's upcast gradients):
+    eagerly the same bits as torch's multi-tensor norm of the 16-bit tensor, and inside a
+    compiled graph no dot op."""
+    gen = torch.Generator().manual_seed(1)
+    narrow = (torch.randn(_lists.DOT_MIN + 3, generator=gen)).to(torch.bfloat16)
+    param = torch.nn.Parameter(torch.randn(_lists.DOT_MIN, generator=gen).to(torch.bfloat16))
+    want = list(torch._foreach_norm([narrow, param.detach()], 2, dtype=torch.float32))
+
+    def norms(x: torch.Tensor, p: torch.Tensor) -> list[torch.Tensor]:
+        wide = x.float()
+        old = _lists.widened(((wide, x),))
+        try:
+            return _lists.norms([wide, p])
+        finally:
+            _lists.widened(old)
+
+    with torch.no_grad():
+        got = norms(narrow, param)
+    assert _lists._WIDENED == ()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    with torch.no_grad():
+        compiled = torch.compile(norms, backend=backend, fullgraph=True)(narrow, param)
+    assert seen and "functional_opt.dot_norms" not in seen
+    for a, b in zip(compiled, want, strict=True):
+        assert_close_rounding(a, b, dtype=torch.float32, ops=narrow.numel() + 2)

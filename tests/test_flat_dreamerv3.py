@@ -57,6 +57,25 @@ def shapes() -> list[tuple[int, ...]]:
     ]
 
 
+def on_route(opt: DreamerV3Optimizer, route: str) -> DreamerV3Optimizer:
+    """``opt`` set to step by ``route``: ``"flat"`` (the hand-fused flat path, the default),
+    ``"generic"`` (the per-tensor path) or ``"engine"`` (``TransformOptimizer``'s engine, even for
+    a small group: params of at least ``DIRECT`` elements on its direct route, the others
+    packed)."""
+    opt.flat_step = route == "flat"
+    if route == "engine":
+        opt.fused_min_numel = 0
+        opt.direct_min_numel = DIRECT
+    return opt
+
+
+def engine_of(opt: DreamerV3Optimizer) -> Any:
+    """The group's engine (a ``PackedGroup``), which must have stepped."""
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine and engine.steps > 0, "the engine did not step the group"
+    return engine
+
+
 def make_params(
     dtype: torch.dtype = torch.float32, seed: int = 0, contiguous: bool = False
 ) -> list[torch.nn.Parameter]:
@@ -250,43 +269,55 @@ def test_16bit_gradients_are_clipped_in_float32() -> None:
     # whose clipped gradient, 0.3 * 2**-3 = 0.0375, is no bfloat16 number. The flat path's
     # moments equal the generic path's within float32 rounding, and the second moment,
     # (1 - b2) g'^2 on the first step, is that of the float32 clipped gradient, far from that
-    # of the clipped gradient rounded to bfloat16.
+    # of the clipped gradient rounded to bfloat16. So does the engine's (the direct param's
+    # kernel converts the gradient as it reads it, the packed one's buffer is float32).
     results = []
-    for flat in (True, False):
+    for route in ("flat", "generic", "engine"):
         p = torch.nn.Parameter(torch.full((DIRECT,), 2.0**-3, dtype=torch.bfloat16))
         q = torch.nn.Parameter(torch.full((300,), 2.0**-3, dtype=torch.bfloat16))
-        opt = DreamerV3Optimizer([p, q], lr=1e-2, warmup_steps=0, agc=0.3)
-        opt.flat_step = flat
+        opt = on_route(DreamerV3Optimizer([p, q], lr=1e-2, warmup_steps=0, agc=0.3), route)
         p.grad = torch.ones_like(p)
         q.grad = torch.ones_like(q)
         opt.step()
         results.append([opt.state[x][k].clone() for x in (p, q) for k in ("rms", "momentum")])
-    assert_close_rounding(results[0], results[1], dtype=torch.float32, ops=STEP_OPS)
+        if route == "engine":
+            engine = engine_of(opt)
+            assert engine.direct == [0] and engine.rest == [1]
+            assert [b.dtype for b in engine.grads] == [torch.float32]
+            assert p.grad.dtype == q.grad.dtype == torch.bfloat16  # never rebound to a view
+    for other in results[1:]:
+        assert_close_rounding(results[0], other, dtype=torch.float32, ops=STEP_OPS)
     exact = (1 - 0.999) * (0.3 * 2.0**-3) ** 2
     rounded = (1 - 0.999) * float(torch.tensor(0.3 * 2.0**-3).to(torch.bfloat16)) ** 2
     bound = STEP_OPS * eps(torch.float32) * exact
     assert abs(rounded - exact) > 100 * bound  # the test can tell the two apart
-    for nu in (results[0][0], results[0][2]):
-        assert (nu - exact).abs().max().item() <= bound
+    for run in (results[0], results[2]):
+        for nu in (run[0], run[2]):
+            assert (nu - exact).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "route"),
+    [(torch.float32, "flat"), (torch.bfloat16, "flat"), (torch.bfloat16, "engine")],
+)
 @numerics
-def test_flat_path_matches_generic_path_over_steps(dtype: torch.dtype) -> None:
+def test_flat_path_matches_generic_path_over_steps(dtype: torch.dtype, route: str) -> None:
     # Free-running (no teacher forcing), random data: after 6 steps the two paths agree within
     # the rule's count for 6 updates of each leaf (its norms' sums included), relative to the
     # magnitudes of the terms (the start plus every update's magnitude, from a float64 run of
-    # the transform on absolute values).
+    # the transform on absolute values). The engine's route too, for 16-bit params (their
+    # gradients fed in float32, as the other routes feed them).
     options = {"lr": 1e-2, "warmup_steps": 2, "agc": 0.3}
     runs = []
-    for flat in (True, False):
+    for name in (route, "generic"):
         params = make_params(dtype, seed=3)
-        opt = DreamerV3Optimizer(params, **options)
-        opt.flat_step = flat
+        opt = on_route(DreamerV3Optimizer(params, **options), name)
         for t in range(6):
             for p, grad in zip(params, random_grads(params, t), strict=True):
                 p.grad = grad
             opt.step()
+        if name == "engine":
+            assert engine_of(opt).direct and engine_of(opt).rest
         runs.append([p.detach().clone() for p in params])
     scale = magnitudes(make_params(dtype, seed=3), dtype, options, steps=6)
     assert_close_rounding(
