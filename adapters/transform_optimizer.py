@@ -887,6 +887,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         group_state: dict[str, Tensor],
         entries: list[dict[str, Tensor]] | None = None,
     ) -> None:
+        # a usual step's params are where the last step left them (checked): kept for the next
+        addresses = engine.usual[0] if entries is not None and engine.usual is not None else None
         engine.usual = None  # (until this step ends well)
         if entries is None:
             entries = list(map(self.state.__getitem__, params))
@@ -910,7 +912,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         _copy_state(dst, src)
         self._group_state_out(group, layout)
         if not engine.sharded:
-            engine.accept(params, entries)
+            engine.accept(params, entries, addresses, self.state)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, holding tensors and plain data only: a group option that is
