@@ -103,21 +103,41 @@ def full_values(xs: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def once(s: Any) -> Any:
+def once(s: Any, like: Sequence[Tensor] = ()) -> Any:
     """``s`` unchanged, except that under ``torch.compile`` a 0-d tensor (or each one of a list)
     is made a buffer computed once per call.
 
     Inductor otherwise inlines scalar math into every elementwise loop that uses it: a bias
     correction's ``1 - b**t`` became one ``pow`` per 16 elements, which made the compiled
     DreamerV3 update 2.7x slower on 16M elements. A reduction is always computed into a buffer of
-    its own, so ``max(s, s)`` (exactly ``s``) is."""
+    its own, so ``max(s, s)`` (exactly ``s``) is.
+
+    ``like``: the tensors the op combines ``s`` with. Where they all have one float32 or
+    float64 dtype, a floating ``s`` of another is converted to it first, once: the conversion
+    the op makes of a 0-d operand anyway (a 0-d tensor takes the dtype of the tensors it meets),
+    which inductor would otherwise make in every vector iteration (the same bits either way)."""
     if not torch.compiler.is_compiling():
         return s
     if isinstance(s, (list, tuple)):
-        return [once(x) for x in s]
+        return [once(x, like) for x in s]
     if isinstance(s, Tensor) and s.dim() == 0:
+        dtype = _common_wide(like)
+        if dtype is not None and s.dtype != dtype and s.is_floating_point():
+            s = s.to(dtype)
         return _computed_once(s)
     return s
+
+
+def _common_wide(xs: Sequence[Tensor]) -> torch.dtype | None:
+    """The dtype of ``xs`` when they all have one, float32 or float64 (and are not 0-d)."""
+    if not xs:
+        return None
+    dtype = xs[0].dtype
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    if all(x.dtype == dtype and x.dim() > 0 for x in xs):
+        return dtype
+    return None
 
 
 def once_per_leaf(factors: Tensor) -> Tensor:
@@ -145,7 +165,7 @@ def mul(xs: Sequence[Tensor], s: Scalar | Sequence[Scalar]) -> list[Tensor]:
     """``x * s`` for each ``x`` (in ``x``'s dtype); ``s`` is one scalar or one per tensor."""
     if not xs:
         return []
-    s = once(s)
+    s = once(s, xs)
     if use_foreach(xs, s):
         if isinstance(s, (list, tuple)) and s and isinstance(s[0], Tensor):
             return like(torch._foreach_mul(list(xs), list(s)), xs)
@@ -231,7 +251,7 @@ def add_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x + s`` (in ``x``'s dtype)."""
     if not xs:
         return []
-    s = once(s)
+    s = once(s, xs)
     # Compiled, ``_foreach_add`` of a tensor scalar is lowered through ``s.item()`` (a host sync
     # that splits the graph's kernel in two); ``x + s`` per tensor fuses like any other op.
     if use_foreach(xs, s) and not (isinstance(s, Tensor) and torch.compiler.is_compiling()):
@@ -345,21 +365,26 @@ def moment(
     """
     if not m:
         return []
-    decay = once(decay)
     dtypes = promoted(m, g)
     complex_square = order == 2 and not _COMPLEX.isdisjoint(dtypes)  # |g|^2, not g * g
     if use_foreach(m, decay) and use_foreach(g) and not complex_square:
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
         gw = cast(g, dtypes)
-        out = _scaled(cast(m, dtypes), decay, in_place)
         if isinstance(decay, Tensor):
+            # (1 - decay in decay's dtype, then converted: as the op would convert it)
+            rest = once(1 - decay, gw)
+            decay = once(decay, gw)
+            out = _scaled(cast(m, dtypes), decay, in_place)
             gp = list(gw) if order == 1 else list(torch._foreach_mul(gw, gw))
-            torch._foreach_add_(out, list(torch._foreach_mul(gp, 1 - decay)))
-        elif order == 1:
+            torch._foreach_add_(out, list(torch._foreach_mul(gp, rest)))
+            return out
+        out = _scaled(cast(m, dtypes), decay, in_place)
+        if order == 1:
             torch._foreach_add_(out, gw, alpha=1.0 - decay)
         else:
             torch._foreach_addcmul_(out, gw, gw, value=1.0 - decay)
         return out
+    decay = once(decay)
     m, g = cast(m, dtypes), cast(g, dtypes)
     gp = list(g) if order == 1 else square(g)
     return add(mul(m, decay), gp, alpha=1.0 - decay)
@@ -372,9 +397,9 @@ def decay_add(
     ``m``'s buffers when they already have that dtype (same arithmetic either way)."""
     if not m:
         return []
-    decay = once(decay)
     dtypes = promoted(m, g)
     gw = cast(g, dtypes)
+    decay = once(decay, gw)
     if use_foreach(m, decay) and use_foreach(g):
         in_place = donate and all(x.dtype == d for x, d in zip(m, dtypes, strict=True))
         out = _scaled(cast(m, dtypes), decay, in_place)
@@ -387,7 +412,7 @@ def div_scalar(xs: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x / s`` for one scalar ``s`` (in ``x``'s dtype)."""
     if not xs:
         return []
-    s = once(s)
+    s = once(s, xs)
     if use_foreach(xs, s):
         return like(torch._foreach_div(list(xs), s), xs)
     return like([x / s for x in xs], xs)

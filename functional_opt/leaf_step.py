@@ -129,7 +129,7 @@ def leaf_step(
                 _lists.across_parts(old)
         if apply:
             u = tree.leaves(updates)[0]
-            p.copy_((p + ratio * u).to(p.dtype))
+            p.copy_((p + _lists.once(ratio, [u]) * u).to(p.dtype))
         state_in = iter(args[:n_param])
         new_leaves: list[Any] = []
         shape.leaves(new, new_leaves)
