@@ -142,16 +142,30 @@ def time_steps(
 ) -> float:
     """Median seconds of ``opt.step()`` over ``steps`` steps after ``warmup`` untimed ones;
     ``sync`` lines the ranks up before each step."""
+    return time_interleaved([opt], steps, warmup, clock, sync)[0]
+
+
+def time_interleaved(
+    opts: list[torch.optim.Optimizer],
+    steps: int,
+    warmup: int,
+    clock: str,
+    sync: Callable[[], None],
+) -> list[float]:
+    """:func:`time_steps` of several optimizers in turn, a step of each per round, so that
+    whatever else the machine does in that time weighs on them alike (their ratio is then
+    steadier than that of two runs one after the other)."""
     now = clock_fn(clock)
-    times = []
+    times: list[list[float]] = [[] for _ in opts]
     for i in range(warmup + steps):
-        sync()
-        start = now()
-        opt.step()
-        end = now()
-        if i >= warmup:
-            times.append(end - start)
-    return statistics.median(times)
+        for opt, column in zip(opts, times, strict=True):
+            sync()
+            start = now()
+            opt.step()
+            end = now()
+            if i >= warmup:
+                column.append(end - start)
+    return [statistics.median(column) for column in times]
 
 
 # ----------------------------------------------------------------------------- the ranks
@@ -197,20 +211,17 @@ def _rank(rank: int, world: int, store: str, out_dir: str, config: dict[str, Any
             seq = group._get_sequence_number_for_group()
             opt.step()
             issued = group._get_sequence_number_for_group() - seq
-            seconds = time_steps(
-                opt, config["steps"], config["warmup"], config["clock"], dist.barrier
-            )
             shapes = [tuple(p.to_local().shape) for p in params]  # type: ignore[attr-defined]
             # The same optimizer on plain params of this rank's local sizes, both ranks at once
             # (what the machine gives two processes that share its memory and caches, without
-            # any sharding), timed right after the sharded step, under the same conditions.
+            # any sharding), timed in turn with the sharded step, under the same conditions.
             plain = [nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
             for q in plain:
                 q.grad = 1e-3 * torch.randn(q.shape, generator=gen)
             plain_opt = make(plain)
             plain_opt.step()
-            both = time_steps(
-                plain_opt, config["steps"], config["warmup"], config["clock"], dist.barrier
+            seconds, both = time_interleaved(
+                [opt, plain_opt], config["steps"], config["warmup"], config["clock"], dist.barrier
             )
             results[name] = {
                 "seconds": seconds,
