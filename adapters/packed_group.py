@@ -111,6 +111,7 @@ class PackedGroup:
         group: Any = None,
         direct_min: int = 0,
         given: Sequence[Any] | None = None,
+        direct_rest_max: int = 0,
         upcast: bool = False,
     ) -> None:
         self.slots_type = slots_type
@@ -169,6 +170,9 @@ class PackedGroup:
             elif self._leaf_kernel(0) is not None and self._stand_in(params, templates, given):
                 self.sharded_direct = True
                 self.direct = direct_params(tx, params, direct_min)
+            if self.direct and len(params) - len(self.direct) <= direct_rest_max:
+                # few small params beside the large ones: stepped directly too
+                self.direct = direct_params(tx, params, 1)
         self.totals_first = (self.reduces or self.rank_reductions) and (
             bool(self.direct) or self.sharded_direct
         )

@@ -847,12 +847,15 @@ def _fsdp_engine(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]:
     out["storage_kept_engine_tiny"] = local_data_ptrs(model) == ptrs
     # The direct route on local shards: shards of at least DIRECT_MIN elements step alone (the
     # ranks' direct params differ, their collectives may not: rank 0 holds 32 elements of the
-    # MLP's last weight, rank 1 16; of the tiny model rank 1 steps no shard directly); an Inf in
+    # MLP's last weight, rank 1 16; of the tiny model rank 1 steps no shard directly, and rank 0
+    # all four, its one small shard too, where the default direct_rest_max applies); an Inf in
     # rank 1's shard of the last bias skips the finite-checked step everywhere.
     for config, kind in DIRECT_RUNS:
         model = shard_model(make_model(kind), mesh)
         opt = make_optimizer(config, model.parameters())
         opt.fused_min_numel, opt.direct_min_numel = 0, DIRECT_MIN[kind]  # type: ignore[attr-defined]
+        if (config, kind) != ("direct", "tiny"):  # (that run: the default, few small ones too)
+            opt.direct_rest_max = 0  # type: ignore[attr-defined]
         ptrs = local_data_ptrs(model)
         records = run(model, opt, batches[:2])
         if config == "direct":
@@ -1334,6 +1337,8 @@ def test_fsdp_direct_route_on_local_shards(
     DreamerV3's chain (every leaf's norms of gradient and param); in lockstep with one process.
     An Inf in one rank's shard skips the finite-checked step on both ranks."""
     want = {"mlp": ([0, 2, 4], [0, 2]), "tiny": ([0, 2, 3], [])}[kind]
+    if (config, kind) == ("direct", "tiny"):  # the default direct_rest_max: rank 0's bias too
+        want = ([0, 1, 2, 3], [])
     for rank, result in enumerate(fsdp):
         assert result[f"direct_params_{config}_{kind}"] == want[rank], rank
         assert result[f"fast_{config}_{kind}"]["sharded"], rank

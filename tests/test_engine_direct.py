@@ -123,6 +123,7 @@ def _direct(make: Callable[[Any], TransformOptimizer], params: Any) -> Transform
     opt = make(params)
     opt.fused_min_numel = 0
     opt.direct_min_numel = 1000
+    opt.direct_rest_max = 0  # (the small params packed: both routes in one group)
     return opt
 
 
@@ -282,6 +283,50 @@ def test_a_group_of_only_large_params_steps_them_all_directly() -> None:
     assert counters
     for k in counters:
         assert_bitwise(mine[k], theirs[k])
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["dreamerv3", "clip-adamw"])
+def test_few_small_params_beside_large_ones_step_directly_too(name: str) -> None:
+    """With the default ``direct_rest_max``, the few small params beside the large ones (the
+    biases and the small matrix) take the direct route too: no packed buffers, no gradient
+    copied; lockstep with the per-tensor path. More of them than ``direct_rest_max``: packed."""
+    make, extra = MAKERS[name]
+    torch.manual_seed(4)
+    model = _Model()
+    ref_model = copy.deepcopy(model)
+    opt = make(model.parameters())
+    opt.fused_min_numel, opt.direct_min_numel = 0, 1000
+    assert opt.direct_rest_max == 8
+    ref = make(ref_model.parameters())
+    ref.fused_steps = False
+    for step in range(3):
+        x = torch.randn(8, 16)
+        before = [p.detach().clone() for p in ref_model.parameters()]
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        got = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+        want = [p.detach() - b for p, b in zip(ref_model.parameters(), before, strict=True)]
+        ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
+        scale = [b.abs() + 1e-2 for b in before]
+        assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+                p.copy_(q)
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == list(range(6)) and engine.layout is None and not engine.rest
+    # one more small param than the default allows beside the two large ones: packed
+    params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30, 50))]
+    params += [torch.nn.Parameter(torch.randn(5)) for _ in range(9)]
+    crowded = make(params)
+    crowded.fused_min_numel, crowded.direct_min_numel = 0, 1000
+    for p in params:
+        p.grad = torch.randn_like(p)
+    crowded.step()
+    engine = crowded._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == [0, 1] and len(engine.rest) == 9
 
 
 def test_params_that_share_memory_are_not_stepped_directly() -> None:

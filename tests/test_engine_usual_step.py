@@ -35,6 +35,7 @@ def _opt(model: torch.nn.Module, direct: bool) -> TransformOptimizer:
     opt.fused_min_numel = 0
     # a.weight (384) and b.weight (1024) on the direct route, the rest packed
     opt.direct_min_numel = 300 if direct else 2**40
+    opt.direct_rest_max = 0
     return opt
 
 

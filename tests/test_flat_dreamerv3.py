@@ -66,6 +66,7 @@ def on_route(opt: DreamerV3Optimizer, route: str) -> DreamerV3Optimizer:
     if route == "engine":
         opt.fused_min_numel = 0
         opt.direct_min_numel = DIRECT
+        opt.direct_rest_max = 0
     return opt
 
 
