@@ -61,8 +61,12 @@ from functional_opt.base import (
     GradientTransformation,
     Stages,
     fusable,
+    has_leaf_labels,
+    leaf_labels,
     leafwise,
     leafwise_level,
+    part_labels,
+    pinned,
     staged,
     stages,
     zero_updates,
@@ -162,6 +166,17 @@ class PackedGroup:
         """Per totals pass (totals known, stages): what it computes, found on the stand-in
         (:func:`reduction_sources`; the kinds and the stand-in's partials, whose shapes are
         what a pass needs of them)."""
+        self.labels: list[Stages] | None = None
+        """Each param's labels (:func:`functional_opt.base.leaf_labels`: a mask's flag, read
+        off the group's whole tree once), added to the stages its direct step is compiled and
+        run under; ``None`` for a transform that has none."""
+        if direct_min > 0 and leafwise(tx, reductions=True) and has_leaf_labels(tx):
+            try:
+                self.labels = None if self.sharded else leaf_labels(tx, slots_type(params))
+            except ValueError:
+                self.labels = None
+            if self.labels is None:  # (none for this tree, or sharded: every param packed)
+                direct_min = 0
         if direct_min > 0 and leafwise(tx, reductions=True):
             if not self.sharded:
                 self.direct = direct_params(tx, params, direct_min)
@@ -181,6 +196,11 @@ class PackedGroup:
         taken = set(self.direct)
         self.rest = [i for i in range(len(params)) if i not in taken]
         """The params stepped together over packed buffers."""
+        self.rest_labels: Stages = (
+            () if self.labels is None else part_labels(self.labels, self.rest)
+        )
+        """Their labels (:func:`functional_opt.base.part_labels`), pinned while their update
+        runs (a mask evaluated on them alone would see another tree)."""
         # few packed params (large ones, by the size rule of the optimizer): the update is
         # added into them inside the compiled graph, in the pass that computes it (with many
         # leaves inductor's code for the slices was slower than one multi-tensor add after it)
@@ -558,7 +578,7 @@ class PackedGroup:
     ) -> tuple[Any, Any]:
         """The runner's update, within the group's sharded reductions (a sharded group's: the
         runner compiles its graphs for that group)."""
-        with _lists.sharded_reductions(self.group):
+        with _lists.sharded_reductions(self.group), pinned(self.rest_labels):
             return self.runner(updates, state, given, donate, targets, whole, copy, totals)
 
     def _probe(self, updates: Packed, state: Any) -> None:
@@ -572,7 +592,8 @@ class PackedGroup:
         if self.apply_inside:
             return
         try:
-            self.tx.update(updates, state, None)
+            with pinned(self.rest_labels):
+                self.tx.update(updates, state, None)
         except (ValueError, TypeError):
             self.params = [
                 torch.empty_like(b, dtype=d)
@@ -639,7 +660,8 @@ class PackedGroup:
                 )
                 if loaded is not None:
                     updates, state, given_params, _ = loaded
-                    parts.append(self.runner.partials(updates, state, given_params, {}, totals))
+                    with pinned(self.rest_labels):
+                        parts.append(self.runner.partials(updates, state, given_params, {}, totals))
                 if not _lists.next_total(totals, parts, exact):
                     return [totals] * (len(self.direct) + 1)
         per_part: list[list[Tensor]] = [[] for _ in range(len(self.direct) + 1)]
@@ -756,18 +778,29 @@ class PackedGroup:
         def probe() -> tuple[int, tuple[str, ...]]:
             # (a sharded group: on the stand-in, so that every rank finds the same)
             sample = (*self.one_leaf, *given, *self.stand_in_totals) if self.sharded else args(0)
-            return gradient_reductions(self.tx, self.outline, kinds, known, sample, self.upcast)
+            with staged(self._labelled(self.direct[0], found)):
+                return gradient_reductions(self.tx, self.outline, kinds, known, sample, self.upcast)
+
+        def call(q: int, i: int) -> Any:
+            mine = self._labelled(i, found)
+            if mine is found:
+                return kernel.kept_call(self.leaf_kernels, (i, code, found), args(q))
+            labelled = self._leaf_kernel(code, mine)
+            assert labelled is not None
+            with staged(mine):
+                return labelled.kept_call(self.leaf_kernels, (i, code, mine), args(q))
 
         return large_parts(
             self.gradient_passes,
             (code, found),
             probe,
             [grads[i] for i in self.direct],
-            lambda: [
-                kernel.kept_call(self.leaf_kernels, (i, code, found), args(q))
-                for q, i in enumerate(self.direct)
-            ],
+            lambda: [call(q, i) for q, i in enumerate(self.direct)],
         )
+
+    def _labelled(self, i: int, found: Stages) -> Stages:
+        """The stages param ``i``'s direct step runs under: ``found`` and its labels."""
+        return found if self.labels is None else found + self.labels[i]
 
     def _step_direct(
         self,
@@ -804,7 +837,14 @@ class PackedGroup:
         for i, own in zip(self.direct, totals, strict=True):
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *packed, *self.leaf_outs)
-            step.kept_call(self.leaf_kernels, (i, known, found), (*args, *own))
+            mine = self._labelled(i, found)
+            if mine is found:
+                step.kept_call(self.leaf_kernels, (i, known, found), (*args, *own))
+                continue
+            labelled = self._leaf_kernel(known, mine, self.given_pack)
+            assert labelled is not None
+            with staged(mine):
+                labelled.kept_call(self.leaf_kernels, (i, known, mine), (*args, *own))
         news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -32,7 +32,9 @@ __all__ = [
     "check_extra",
     "current_stage",
     "declare_fusable",
+    "declare_leaf_labels",
     "declare_leafwise",
+    "declare_member_labels",
     "declare_stages",
     "declare_step_size",
     "declare_zero_updates",
@@ -42,10 +44,14 @@ __all__ = [
     "expect_state",
     "extra_keywords",
     "fusable",
+    "has_leaf_labels",
     "identity",
+    "leaf_labels",
     "leafwise",
     "leafwise_level",
     "named_chain",
+    "part_labels",
+    "pinned",
     "safe_increment",
     "staged",
     "stages",
@@ -395,6 +401,79 @@ def leafwise(tx: GradientTransformation, reductions: bool = False) -> bool:
     return leafwise_level(tx) >= (_GIVEN_REDUCTIONS if reductions else _ALONE)
 
 
+_LEAF_LABELS = "__functional_opt_leaf_labels__"
+
+
+def declare_leaf_labels(
+    update: Callable[..., Any], read: Callable[[Params], list[Stages] | None]
+) -> Callable[..., Any]:
+    """Declares that ``update`` treats every leaf on its own given one *label* per leaf that
+    it reads off the whole tree (a mask given as a function of the params, or as a tree: a leaf
+    alone cannot tell whether it is masked). ``read(params)`` returns, for each leaf of
+    ``params`` in order, its labels as ``(key, value)`` pairs (``key`` an ``int`` the transform
+    owns, ``value`` a hashable Python value), or ``None`` when it has none to give (then the
+    transform is not leafwise for that tree). Returns ``update``.
+
+    The engine steps a leaf alone (:func:`functional_opt.leaf_step.leaf_step`) under
+    :func:`staged` with its labels added to the step's stages: the transform reads its value
+    with :func:`current_stage` instead of looking at the tree, and one compiled step serves the
+    leaves of each label. Its update of a part of the tree (the leaves the engine packs beside
+    those it steps alone) runs under :func:`pinned` with, under each key, the tuple of the
+    part's leaves' values, in order. A transform that declares labels must also declare itself
+    leafwise (:func:`declare_leafwise`); a wrapper's labels are its members'
+    (:func:`leaf_labels`)."""
+    setattr(update, _LEAF_LABELS, read)
+    return update
+
+
+def leaf_labels(tx: GradientTransformation, params: Params) -> list[Stages] | None:
+    """Each leaf's labels (see :func:`declare_leaf_labels`) for the tree ``params``: ``None`` for
+    a transform that declares none (every leaf is treated alike), else one tuple of ``(key,
+    value)`` pairs per leaf. Raises ``ValueError`` where a member has labels but cannot give
+    them for this tree (the engine then does not step leaves alone)."""
+    read = getattr(tx.update, _LEAF_LABELS, None)
+    if read is None:
+        return None
+    out: list[Stages] | None = read(params)
+    if out is None:
+        raise ValueError("leaf_labels: the transform cannot label the leaves of this tree")
+    return out
+
+
+def has_leaf_labels(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` declares leaf labels (see :func:`declare_leaf_labels`)."""
+    return getattr(tx.update, _LEAF_LABELS, None) is not None
+
+
+def _joined_labels(
+    transforms: Sequence[GradientTransformation], params: Params
+) -> list[Stages] | None:
+    """The members' labels of each leaf, one after the other (``None``: none declares any)."""
+    found = [leaf_labels(t, params) for t in transforms]
+    present = [f for f in found if f is not None]
+    if not present:
+        return None
+    return [tuple(pair for member in present for pair in member[i]) for i in range(len(present[0]))]
+
+
+def part_labels(labels: list[Stages], members: Sequence[int]) -> Stages:
+    """The labels of the part ``members`` of a tree whose leaves have ``labels``: under each
+    key, the tuple of the members' values in order (what :func:`pinned` takes)."""
+    keys = [k for k, _ in labels[members[0]]] if members else []
+    by_leaf = [dict(labels[i]) for i in members]
+    return tuple((k, tuple(d[k] for d in by_leaf)) for k in keys)
+
+
+def declare_member_labels(
+    update: Callable[..., Any], members: Callable[[], Sequence[GradientTransformation]]
+) -> Callable[..., Any]:
+    """Declares a wrapper's or chain's leaf labels: those of ``members()`` (see
+    :func:`declare_leaf_labels`), where any of them declares some."""
+    if any(getattr(t.update, _LEAF_LABELS, None) is not None for t in members()):
+        declare_leaf_labels(update, lambda params: _joined_labels(members(), params))
+    return update
+
+
 _STAGES = "__functional_opt_stages__"
 
 Stages = tuple[tuple[int, Hashable], ...]
@@ -424,11 +503,30 @@ def declare_stages(update: Callable[..., Any], read: Callable[[Any], Stages]) ->
 def stages(tx: GradientTransformation, state: Any) -> Stages:
     """The stages ``tx`` declares for ``state`` (see :func:`declare_stages`): ``()`` for a
     transform that declares none, and always under ``torch.compile`` (nothing is read there)."""
-    read = getattr(tx.update, _STAGES, None)
-    if read is None or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return ()
-    out: Stages = read(state)
+    read = getattr(tx.update, _STAGES, None)
+    out: Stages = () if read is None else read(state)
+    if _PINNED:  # (a member's stages are its chain's too: each pinned value once)
+        out = tuple(p for p in out if p[0] not in _PINNED) + tuple(_PINNED.items())
     return out
+
+
+_PINNED: dict[int, Hashable] = {}  # added to the stages found and set (see :func:`pinned`)
+
+
+@contextlib.contextmanager
+def pinned(values: Stages) -> Iterator[None]:
+    """Adds ``values`` to the stages :func:`stages` finds and :func:`staged` sets inside (the
+    engine's update of a part of a tree, given the labels of that part's leaves: see
+    :func:`declare_leaf_labels`); restores the previous ones after."""
+    saved = dict(_PINNED)
+    _PINNED.update(values)
+    try:
+        yield
+    finally:
+        _PINNED.clear()
+        _PINNED.update(saved)
 
 
 @contextlib.contextmanager
@@ -438,6 +536,7 @@ def staged(values: Stages) -> Iterator[None]:
     after."""
     saved = dict(_CURRENT)
     _CURRENT.clear()
+    _CURRENT.update(_PINNED)
     _CURRENT.update(values)
     try:
         yield
@@ -617,6 +716,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     declare_step_size(update_fn, lambda: _chain_step_size(transforms))
     declare_fusable(update_fn, lambda: all(fusable(t) for t in transforms))
     declare_leafwise(update_fn, lambda: min((leafwise_level(t) for t in transforms), default=2))
+    declare_member_labels(update_fn, lambda: transforms)
     if any(getattr(t.update, _STAGES, None) is not None for t in transforms):
         declare_stages(update_fn, lambda state: _member_stages(transforms, state))
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
@@ -646,6 +746,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     declare_step_size(update_fn, inner_step_size(inner))
     declare_fusable(update_fn, lambda: fusable(inner))
     declare_leafwise(update_fn, lambda: leafwise_level(inner))
+    declare_member_labels(update_fn, lambda: (inner,))
     if getattr(inner.update, _STAGES, None) is not None:
         declare_stages(
             update_fn,

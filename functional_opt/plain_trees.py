@@ -41,7 +41,11 @@ from functional_opt.base import (
     GradientTransformation,
     OptState,
     Stages,
+    has_leaf_labels,
+    leaf_labels,
     leafwise_level,
+    part_labels,
+    pinned,
     stages,
     zero_updates,
 )
@@ -133,6 +137,9 @@ class _Facts:
         """Whether the staged params may take :func:`functional_opt._lists.add_into`'s fused
         route (where they are contiguous; the staging buffers' views it adds are, and of the
         params' dtypes)."""
+        self.labels: tuple[Any, list[Stages] | None] | None = None
+        """The tree structure the leaves' labels were read for, and the labels
+        (:meth:`PlainTreeStep._labels`)."""
 
 
 class PlainTreeStep:
@@ -179,6 +186,11 @@ class PlainTreeStep:
         found = stages(self.tx, state) if large else ()
         if large and self._kernel(outer_spec, kinds, 0, found) is None:
             return None  # (a state it cannot rebuild)
+        labels = self._labels(params, spec, facts) if large else None
+        if large and labels is None and has_leaf_labels(self.tx):
+            return None  # (labels it cannot give for this tree: the transform's own update)
+        # the staged leaves' labels, pinned while their update runs over them alone
+        part = () if labels is None else part_labels(labels, staged)
         # everything that can refuse comes before anything is written
         prepared = self._prepare(gs, spec, facts, per) if staged else None
         loaded = self._load(prepared, ps, gs, facts, outer, outer_spec, kinds) if prepared else None
@@ -186,7 +198,9 @@ class PlainTreeStep:
         totals: list[Tensor] | None = None
         if across:
             with staged_as(found):
-                totals = self._totals(ps, gs, per, given, large, outer_spec, kinds, loaded, found)
+                totals = self._totals(
+                    ps, gs, per, given, large, outer_spec, kinds, loaded, found, labels, part
+                )
         new_outer = list(outer)
         if large:
             kernel = self._kernel(outer_spec, kinds, len(totals or ()), found)
@@ -198,11 +212,21 @@ class PlainTreeStep:
                 for i in large:  # first: the staged step below may write the counters in place
                     state_i = [leaves[i] for leaves in per]
                     args = (gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
-                    kernel.kept_call(kept, (i, code, found), args)
+                    if labels is None:
+                        kernel.kept_call(kept, (i, code, found), args)
+                        continue
+                    mine = found + labels[i]  # (its labels: a mask's flag)
+                    labelled = self._kernel(outer_spec, kinds, code, mine)
+                    assert labelled is not None
+                    with staged_as(mine):
+                        labelled.kept_call(kept, (i, code, mine), args)
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:
-            staged_outer = self._run_staged(prepared, loaded, ps, facts, outer_spec, kinds, totals)
+            with pinned(part):
+                staged_outer = self._run_staged(
+                    prepared, loaded, ps, facts, outer_spec, kinds, totals
+                )
             positions = iter(range(len(per)))
             for n, (x, k) in enumerate(zip(staged_outer, kinds, strict=True)):
                 if k == "param":  # the staged leaves' entries: views of the state's buffers
@@ -223,6 +247,8 @@ class PlainTreeStep:
         kinds: list[str],
         loaded: tuple[Packed, Any, Packed] | None,
         found: Stages,
+        labels: list[Stages] | None = None,
+        part: Stages = (),
     ) -> list[Tensor]:
         """The totals over the whole tree of the update's reductions (a transform leafwise
         given them): pass ``k`` sums the parts' partial values of reduction ``k`` with the
@@ -239,25 +265,52 @@ class PlainTreeStep:
             def args(i: int) -> tuple[Tensor, ...]:
                 return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
 
+            def mine(i: int) -> Stages:
+                return found if labels is None else found + labels[i]
+
             def probe() -> tuple[int, tuple[str, ...]]:
                 outline = optree.tree_unflatten(outer_spec, kinds)
-                return gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0]))
+                with staged_as(mine(large[0])):
+                    return gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0]))
+
+            def call(i: int) -> Any:
+                if labels is None:
+                    return kernel.kept_call(kept, (i, code, found), args(i))
+                labelled = self._partials_kernel(outer_spec, kinds, len(totals), mine(i))
+                assert labelled is not None
+                with staged_as(mine(i)):
+                    return labelled.kept_call(kept, (i, code, mine(i)), args(i))
 
             return large_parts(
                 self.known_probes(),
                 (code, found),
                 probe,
                 [gs[i] for i in large],
-                lambda: [kernel.kept_call(kept, (i, code, found), args(i)) for i in large],
+                lambda: [call(i) for i in large],
             )
 
         while True:
             parts, exact = large_pass()
             if loaded is not None:
                 grads, sub, params = loaded
-                parts.append(self.runner.partials(grads, sub, params, {}, totals))
+                with pinned(part):
+                    parts.append(self.runner.partials(grads, sub, params, {}, totals))
             if not _lists.next_total(totals, parts, exact):
                 return totals
+
+    def _labels(self, params: Any, spec: Any, facts: _Facts) -> list[Stages] | None:
+        """Each leaf's labels (:func:`functional_opt.base.leaf_labels`: a mask's flag), read off
+        the tree once for the known params and this structure; ``None`` for a transform that
+        has none, or none it can give for this tree."""
+        if not has_leaf_labels(self.tx):
+            return None
+        if facts.labels is None or facts.labels[0] != spec:
+            try:
+                found = leaf_labels(self.tx, params)
+            except ValueError:
+                found = None
+            facts.labels = (spec, found)
+        return facts.labels[1]
 
     def known_kernels(self) -> dict[Any, Any]:
         """The compiled kernels kept for the known params: by (leaf, kernel code, stages)."""

@@ -19,6 +19,7 @@ from functional_opt.base import (
     current_stage,
     declare_fusable,
     declare_leafwise,
+    declare_member_labels,
     declare_stages,
     declare_step_size,
     declare_zero_updates,
@@ -491,6 +492,8 @@ class MultiSteps:
         declare_leafwise(
             update, lambda: 0 if self._should_skip is not None else leafwise_level(self._opt)
         )
+        if self._should_skip is None:
+            declare_member_labels(update, lambda: (self._opt,))
         return GradientTransformation(self.init, accepting(update, self._accepted))
 
 

@@ -15,13 +15,19 @@ from functional_opt.base import (
     STATE_ONLY,
     GradientTransformation,
     Params,
+    Stages,
     Updates,
     accepting,
     check_extra,
+    current_stage,
     declare_fusable,
+    declare_leaf_labels,
+    declare_leafwise,
     expect_state,
     extra_keywords,
     fusable,
+    has_leaf_labels,
+    leafwise_level,
 )
 from functional_opt.packed import Layout, Packed
 from functional_opt.tree import PyTree
@@ -219,7 +225,21 @@ def _masked(
 ) -> GradientTransformation:
     """:func:`masked`, with the keywords ``inner`` accepts already known."""
 
+    # The label of a leaf the engine steps alone (see declare_leaf_labels): its flag, under
+    # this key (the mask's own identity: the same for every instance made with it, as
+    # inject_hyperparams makes one per step; two masks that are one object give one answer)
+    key = id(mask)
+
     def bools(reference: PyTree) -> list[bool]:
+        flag = current_stage(key)
+        if flag is not None:  # given by the engine (its flags read off the whole tree):
+            seen = reference.tree if isinstance(reference, Packed) else reference
+            n = len(tree.flatten(seen)[0])
+            if isinstance(flag, bool):  # one leaf stepped alone
+                return [flag] * n
+            if isinstance(flag, tuple) and len(flag) == n:  # the leaves of a part, in order
+                return list(flag)
+            raise ValueError(f"mask: {n} leaves were given the flags {flag!r}")
         flags = _expand(mask, reference, "mask")
         for f in flags:
             if not isinstance(f, bool):
@@ -302,7 +322,22 @@ def _masked(
             known.append(fusable(inner) and _stateless(inner))
         return known[0]
 
+    def labelled() -> bool:
+        """Whether a leaf may be stepped alone given its flag: an inner that treats every leaf
+        on its own without reductions, keeps no tensors (every param's state then has one
+        structure, masked or not) and has no labels of its own."""
+        if len(known) < 2:
+            known.append(fast() and leafwise_level(inner) == 2 and not has_leaf_labels(inner))
+        return known[1]
+
+    def labels(params: Params) -> list[Stages] | None:
+        if not labelled():
+            return None
+        return [((key, flag),) for flag in bools(params)]
+
     declare_fusable(update_fn, fast)
+    declare_leafwise(update_fn, lambda: 2 if labelled() else 0)
+    declare_leaf_labels(update_fn, labels)
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
 

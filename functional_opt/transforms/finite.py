@@ -16,6 +16,7 @@ from functional_opt.base import (
     check_extra,
     declare_fusable,
     declare_leafwise,
+    declare_member_labels,
     declare_stages,
     declare_step_size,
     donating,
@@ -167,6 +168,7 @@ def apply_if_finite(
     declare_fusable(update_fn, lambda: fusable(inner))
     # leaf by leaf given the finite check over all leaves (functional_opt._lists.Across)
     declare_leafwise(update_fn, lambda: min(leafwise_level(inner), 1))
+    declare_member_labels(update_fn, lambda: (inner,))
     declare_stages(  # the inner transform's (a MultiSteps inside compiles its mini-steps apart)
         update_fn,
         lambda state: (

@@ -21,6 +21,7 @@ from functional_opt.base import (
     check_extra,
     declare_fusable,
     declare_leafwise,
+    declare_member_labels,
     expect_state,
     extra_keywords,
     fusable,
@@ -211,6 +212,7 @@ def inject_hyperparams(
 
         declare_fusable(update_fn, fusable(probe))
         declare_leafwise(update_fn, lambda: leafwise_level(probe))
+        declare_member_labels(update_fn, lambda: (probe,))
         return GradientTransformation(init_fn, accepting(update_fn, accepted))
 
     return wrapped
