@@ -47,6 +47,7 @@ LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
     ),
 }
 
+
 def _halved(updates: Any, params: Any) -> Any:
     g, at = tree.split(updates, elementwise=True)
     return at.updates([x * 0.5 for x in g])
@@ -55,9 +56,7 @@ def _halved(updates: Any, params: Any) -> Any:
 NOT_LEAFWISE: dict[str, Callable[[], fo.GradientTransformation]] = {
     "global-norm-clip": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2)),
     # (a user's elementwise transform that declares only that: nothing says it is leafwise)
-    "undeclared-halving": lambda: fo.chain(
-        fo.stateless(_halved, elementwise=True), fo.adam(1e-2)
-    ),
+    "undeclared-halving": lambda: fo.chain(fo.stateless(_halved, elementwise=True), fo.adam(1e-2)),
     "apply-if-finite": lambda: fo.apply_if_finite(fo.adam(1e-2), 3),
     # (a window over a global-norm clip: the clip looks across leaves, on emitting steps)
     "multi-steps": lambda: fo.MultiSteps(

@@ -122,9 +122,7 @@ def test_a_masked_chain_steps_on_the_direct_route_like_the_per_tensor_path(
             for p, q in zip(params, ref_params, strict=True):
                 p.copy_(q)
     engine = opt._layouts[0].engine  # type: ignore[union-attr]
-    assert [dict(label).popitem()[1] for label in engine.labels] == [
-        i % 2 == 0 for i in range(7)
-    ]
+    assert [dict(label).popitem()[1] for label in engine.labels] == [i % 2 == 0 for i in range(7)]
     if rest_max == 0:
         assert engine.direct == [0, 2, 4] and engine.rest == [1, 3, 5, 6]
         assert [flags for _, flags in engine.rest_labels] == [(False, False, False, True)]
