@@ -778,7 +778,8 @@ class PackedGroup:
         def probe() -> tuple[int, tuple[str, ...]]:
             # (a sharded group: on the stand-in, so that every rank finds the same)
             sample = (*self.one_leaf, *given, *self.stand_in_totals) if self.sharded else args(0)
-            with staged(self._labelled(self.direct[0], found)):
+            mine = found if self.labels is None else self._labelled(self.direct[0], found)
+            with staged(mine):
                 return gradient_reductions(self.tx, self.outline, kinds, known, sample, self.upcast)
 
         def call(q: int, i: int) -> Any:
