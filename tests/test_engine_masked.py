@@ -76,12 +76,25 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-CHAINS = {
-    "adamw": (lambda: fo.adamw(1e-2, weight_decay=0.3, mask=_every_other), 0),
+CHAINS: dict[str, tuple[Any, int]] = {
+    "adamw": (
+        lambda ps: TransformOptimizer(ps, fo.adamw(1e-2, weight_decay=0.3, mask=_every_other)),
+        0,
+    ),
+    # the factory form: inject_hyperparams makes a new masked transform each step (the flags
+    # are keyed by the mask itself)
+    "factory-adamw": (
+        lambda ps: TransformOptimizer(ps, fo.adamw, lr=1e-2, weight_decay=0.3, mask=_every_other),
+        0,
+    ),
     # leafwise given the global norm: the direct params' totals first
     "clip-adamw": (
-        lambda: fo.chain(
-            fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.3, mask=_every_other)
+        lambda ps: TransformOptimizer(
+            ps,
+            fo.chain(
+                fo.clip_by_global_norm(0.05),
+                fo.adamw(1e-2, weight_decay=0.3, mask=_every_other),
+            ),
         ),
         48 * 40 + 40 * 30 + 30 * 36 + 200,
     ),
@@ -101,9 +114,9 @@ def test_a_masked_chain_steps_on_the_direct_route_like_the_per_tensor_path(
     decay would land on other params.)"""
     make, extra = CHAINS[chain]
     params, ref_params = _params(0), _params(0)
-    opt = TransformOptimizer(params, make())
+    opt = make(params)
     opt.fused_min_numel, opt.direct_min_numel, opt.direct_rest_max = 0, 1000, rest_max
-    ref = TransformOptimizer(ref_params, make())
+    ref = make(ref_params)
     ref.fused_steps = False
     for step in range(3):
         gen = torch.Generator().manual_seed(30 + step)
