@@ -168,3 +168,22 @@ namesakes (adamw with Nesterov, ``eps_root``, weight decay and a cosine schedule
 3, second 4, both bias corrections (power, difference, quotient: 3 each), the Nesterov mix 4,
 ``sqrt(v + eps_root) + eps`` 3, the quotient 1, weight decay 2, the schedule's cosine and
 arithmetic 5, the learning rate 1: 31, rounded up). Norms add their sums."""
+
+
+def assert_same_steps_then_sync(
+    params: list[torch.Tensor],
+    ref_params: list[torch.Tensor],
+    before: list[torch.Tensor],
+    ops: int,
+) -> None:
+    """Lockstep of two optimizers that stepped from ``before``: the steps they made (``p -
+    before``) agree within ``ops`` float32 roundings per element (scaled by ``|before| +
+    1e-2``), then ``params`` are set to ``ref_params``, so that each next update is compared
+    alone."""
+    got = [p.detach() - b for p, b in zip(params, before, strict=True)]
+    want = [p.detach() - b for p, b in zip(ref_params, before, strict=True)]
+    scale = [b.abs() + 1e-2 for b in before]
+    assert_close_rounding(got, want, dtype=torch.float32, ops=ops, scale=scale)
+    with torch.no_grad():
+        for p, q in zip(params, ref_params, strict=True):
+            p.copy_(q)
