@@ -77,6 +77,7 @@ from functional_opt.leaf_step import (
     LOW_PRECISION,
     GivenPack,
     gradient_reductions,
+    labelled_call,
     large_parts,
     leaf_partials,
     leaf_step,
@@ -778,30 +779,30 @@ class PackedGroup:
         def probe() -> tuple[int, tuple[str, ...]]:
             # (a sharded group: on the stand-in, so that every rank finds the same)
             sample = (*self.one_leaf, *given, *self.stand_in_totals) if self.sharded else args(0)
-            mine = found if self.labels is None else self._labelled(self.direct[0], found)
-            with staged(mine):
+            with staged(found + self._label(self.direct[0]) if self.direct else found):
                 return gradient_reductions(self.tx, self.outline, kinds, known, sample, self.upcast)
 
-        def call(q: int, i: int) -> Any:
-            mine = self._labelled(i, found)
-            if mine is found:
-                return kernel.kept_call(self.leaf_kernels, (i, code, found), args(q))
-            labelled = self._leaf_kernel(code, mine)
-            assert labelled is not None
-            with staged(mine):
-                return labelled.kept_call(self.leaf_kernels, (i, code, mine), args(q))
+        def kernel_for(stages_: Stages) -> _kernels.Kernel:
+            out = kernel if stages_ is found else self._leaf_kernel(code, stages_)
+            assert out is not None
+            return out
 
         return large_parts(
             self.gradient_passes,
             (code, found),
             probe,
             [grads[i] for i in self.direct],
-            lambda: [call(q, i) for q, i in enumerate(self.direct)],
+            lambda: [
+                labelled_call(
+                    kernel_for, self.leaf_kernels, (i, code), found, self._label(i), args(q)
+                )
+                for q, i in enumerate(self.direct)
+            ],
         )
 
-    def _labelled(self, i: int, found: Stages) -> Stages:
-        """The stages param ``i``'s direct step runs under: ``found`` and its labels."""
-        return found if self.labels is None else found + self.labels[i]
+    def _label(self, i: int) -> Stages:
+        """Param ``i``'s leaf labels (``()`` for a transform without)."""
+        return () if self.labels is None else self.labels[i]
 
     def _step_direct(
         self,
@@ -828,6 +829,12 @@ class PackedGroup:
             self.leaf_kernels.clear()
         step = self._leaf_kernel(known, found, self.given_pack)
         assert step is not None
+
+        def kernel_for(stages_: Stages) -> _kernels.Kernel:
+            out = step if stages_ is found else self._leaf_kernel(known, stages_, self.given_pack)
+            assert out is not None
+            return out
+
         names = [name for kind, name in self.slots if kind == "param"]
         packed = self.given_pack.pack(given)
         device = params[self.direct[0]].device
@@ -838,14 +845,9 @@ class PackedGroup:
         for i, own in zip(self.direct, totals, strict=True):
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *packed, *self.leaf_outs)
-            mine = self._labelled(i, found)
-            if mine is found:
-                step.kept_call(self.leaf_kernels, (i, known, found), (*args, *own))
-                continue
-            labelled = self._leaf_kernel(known, mine, self.given_pack)
-            assert labelled is not None
-            with staged(mine):
-                labelled.kept_call(self.leaf_kernels, (i, known, mine), (*args, *own))
+            labelled_call(
+                kernel_for, self.leaf_kernels, (i, known), found, self._label(i), (*args, *own)
+            )
         news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -469,7 +469,7 @@ def declare_member_labels(
 ) -> Callable[..., Any]:
     """Declares a wrapper's or chain's leaf labels: those of ``members()`` (see
     :func:`declare_leaf_labels`), where any of them declares some."""
-    if any(getattr(t.update, _LEAF_LABELS, None) is not None for t in members()):
+    if any(map(has_leaf_labels, members())):
         declare_leaf_labels(update, lambda params: _joined_labels(members(), params))
     return update
 

@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from functional_opt import _lists, tree
-from functional_opt.base import DONATE, STATE_ONLY, GradientTransformation, leafwise
+from functional_opt.base import (
+    DONATE,
+    STATE_ONLY,
+    GradientTransformation,
+    Stages,
+    leafwise,
+    staged,
+)
 
 __all__ = [
     "GIVEN",
@@ -38,6 +45,7 @@ __all__ = [
     "large_parts",
     "leaf_partials",
     "leaf_step",
+    "labelled_call",
     "needs_other_ranks",
     "reduction_sources",
 ]
@@ -304,6 +312,25 @@ def gradient_reductions_pass(
             columns.append([f.logical_not().to(torch.float32) for f in flags])
     rows = [list(values) for values in zip(*columns, strict=True)]
     return [tuple(row + [row[0]] * (count - len(row))) for row in rows]
+
+
+def labelled_call(
+    kernel_for: Callable[[Stages], Any],
+    kept: dict[Any, Callable[..., Any]],
+    key: tuple[Any, ...],
+    found: Stages,
+    label: Stages,
+    args: tuple[Any, ...],
+) -> Any:
+    """One param's compiled call, as both engines make it (``Kernel.kept_call`` under ``kept``,
+    keyed by ``key`` and the stages): ``kernel_for(found)``'s, or for a param with leaf labels
+    (:func:`functional_opt.base.leaf_labels`) the kernel for ``found + label``, called under
+    those stages (the transform reads its label while traced)."""
+    if not label:
+        return kernel_for(found).kept_call(kept, (*key, found), args)
+    mine = found + label
+    with staged(mine):
+        return kernel_for(mine).kept_call(kept, (*key, mine), args)
 
 
 def large_parts(

@@ -53,6 +53,7 @@ from functional_opt.base import staged as staged_as
 from functional_opt.leaf_step import (
     GIVEN,
     gradient_reductions,
+    labelled_call,
     large_parts,
     leaf_partials,
     leaf_step,
@@ -208,18 +209,18 @@ class PlainTreeStep:
             outs = [torch.empty_like(x) for x in given]
             one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
             kept, code = self.known_kernels(), len(totals or ())
+
+            def step_for(stages_: Stages) -> _kernels.Kernel:
+                out = kernel if stages_ is found else self._kernel(outer_spec, kinds, code, stages_)
+                assert out is not None
+                return out
+
             with staged_as(found):
                 for i in large:  # first: the staged step below may write the counters in place
                     state_i = [leaves[i] for leaves in per]
                     args = (gs[i], ps[i], one, *state_i, *given, *outs, *(totals or ()))
-                    if labels is None:
-                        kernel.kept_call(kept, (i, code, found), args)
-                        continue
-                    mine = found + labels[i]  # (its labels: a mask's flag)
-                    labelled = self._kernel(outer_spec, kinds, code, mine)
-                    assert labelled is not None
-                    with staged_as(mine):
-                        labelled.kept_call(kept, (i, code, mine), args)
+                    label = () if labels is None else labels[i]  # (a mask's flag)
+                    labelled_call(step_for, kept, (i, code), found, label, args)
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:
@@ -265,28 +266,32 @@ class PlainTreeStep:
             def args(i: int) -> tuple[Tensor, ...]:
                 return (gs[i], ps[i], *[leaves[i] for leaves in per], *given, *totals)
 
-            def mine(i: int) -> Stages:
-                return found if labels is None else found + labels[i]
+            def label(i: int) -> Stages:
+                return () if labels is None else labels[i]
 
             def probe() -> tuple[int, tuple[str, ...]]:
                 outline = optree.tree_unflatten(outer_spec, kinds)
-                with staged_as(mine(large[0])):
+                with staged_as(found + label(large[0])):
                     return gradient_reductions(self.tx, outline, kinds, len(totals), args(large[0]))
 
-            def call(i: int) -> Any:
-                if labels is None:
-                    return kernel.kept_call(kept, (i, code, found), args(i))
-                labelled = self._partials_kernel(outer_spec, kinds, len(totals), mine(i))
-                assert labelled is not None
-                with staged_as(mine(i)):
-                    return labelled.kept_call(kept, (i, code, mine(i)), args(i))
+            def pass_for(stages_: Stages) -> _kernels.Kernel:
+                out = (
+                    kernel
+                    if stages_ is found
+                    else self._partials_kernel(outer_spec, kinds, len(totals), stages_)
+                )
+                assert out is not None
+                return out
 
             return large_parts(
                 self.known_probes(),
                 (code, found),
                 probe,
                 [gs[i] for i in large],
-                lambda: [call(i) for i in large],
+                lambda: [
+                    labelled_call(pass_for, kept, (i, code), found, label(i), args(i))
+                    for i in large
+                ],
             )
 
         while True:

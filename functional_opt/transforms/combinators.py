@@ -322,13 +322,15 @@ def _masked(
             known.append(fusable(inner) and _stateless(inner))
         return known[0]
 
+    labelling: list[bool] = []
+
     def labelled() -> bool:
         """Whether a leaf may be stepped alone given its flag: an inner that treats every leaf
         on its own without reductions, keeps no tensors (every param's state then has one
         structure, masked or not) and has no labels of its own."""
-        if len(known) < 2:
-            known.append(fast() and leafwise_level(inner) == 2 and not has_leaf_labels(inner))
-        return known[1]
+        if not labelling:
+            labelling.append(fast() and leafwise_level(inner) == 2 and not has_leaf_labels(inner))
+        return labelling[0]
 
     def labels(params: Params) -> list[Stages] | None:
         if not labelled():
