@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -83,6 +83,7 @@ from functional_opt.leaf_step import (
     leaf_step,
     needs_other_ranks,
     reduction_sources,
+    rows_step,
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -93,6 +94,41 @@ _GRAD = operator.attrgetter("grad")
 APPLY_INSIDE_MAX = 4
 """At most this many packed params of a group (the direct ones aside) get the update added
 inside the compiled graph."""
+
+PIECE = 1 << 18
+"""The packed params of a leafwise transform step in pieces of about this many elements (see
+:class:`Piece`): a piece's gradients, params, state and update stay in cache from its copy in
+to its add back."""
+
+PIECES_MAX = 16
+"""More pieces than this (many runs of small leaves of different sizes) take the piecewise
+route only where they average at least a quarter of :data:`PIECE` elements (each is a call)."""
+
+
+class Piece(NamedTuple):
+    """Rows ``rows`` of a run of the packed buffers: params of ``size`` elements each, laid out
+    from element ``start`` of buffer ``buffer``; ``members``: their positions among the packed
+    params; ``shape``: their common shape (their gradients and values are then copied in with
+    one ``torch.cat``), ``None`` if they have several."""
+
+    buffer: int
+    start: int
+    rows: int
+    size: int
+    members: list[int]
+    shape: torch.Size | None
+
+    def of(self, buffer: Tensor) -> Tensor:
+        """This piece of ``buffer`` (a buffer of the layout), as a ``[rows, size]`` matrix."""
+        return buffer[self.start : self.start + self.rows * self.size].view(self.rows, self.size)
+
+    def copy_in(self, matrix: Tensor, values: list[Tensor], views: list[Tensor]) -> None:
+        """``values`` (the members') into ``matrix`` (:meth:`of`), whose members' views
+        are ``views``."""
+        if self.shape is not None:
+            torch.cat(values, out=matrix.view(self.rows * self.shape[0], *self.shape[1:]))
+        else:
+            torch._foreach_copy_(views, values)
 
 
 class PackedGroup:
@@ -283,6 +319,23 @@ class PackedGroup:
         self.rest_views: list[Tensor] = [self.grad_views[i] for i in self.rest]  # type: ignore[misc]
         """The packed params' views of the gradient buffer (never ``None``)."""
         self.rest_of = operator.itemgetter(*self.rest) if len(self.rest) > 1 else None
+        self.pieces: list[Piece] = self._pieces(params)
+        """The packed params in pieces (for a transform that treats every leaf on its own
+        without reductions): each piece's gradients copied in, its update (one compiled call
+        of :func:`functional_opt.leaf_step.rows_step`) and the update added into its params
+        while the piece is in cache, instead of each of those passes over all the packed
+        params in turn; empty where the group takes the whole-buffer route."""
+        self.piece_steps: dict[tuple[Stages, bool], _kernels.Kernel] = {}
+        self.piece_kernels: dict[Any, Callable[..., Any]] = {}
+        self.reads_params: dict[Stages, bool] = {}
+        """Per stages of the transform, whether its update reads the params (found on the
+        first piecewise step in those stages: a mini-step of ``MultiSteps`` does not)."""
+        self.piece_values: list[Tensor] = []
+        self.piece_updates: list[Tensor] = []
+        """Buffers of the layout for the pieces' params (if read) and updates."""
+        self.piece_value_views: list[list[Tensor]] = []
+        self.piece_update_views: list[list[Tensor]] = []
+        """Per piece, its members' views of them."""
 
     def _grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the gradient buffer for params of ``dtype``."""
@@ -446,8 +499,13 @@ class PackedGroup:
         self.steps += 1
         # the stages the transform declares for this step (read before anything is written):
         # the direct params' kernels are compiled and run per stage
-        spread = self.direct or self.totals_first
+        spread = self.direct or self.totals_first or self.pieces
         found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if spread else ()
+        if self.pieces:
+            with staged(found):
+                if self.direct:
+                    self._step_direct(params, grads, outer, ratio, [[]] * len(self.direct), found)
+                return self._step_pieces(params, grads, outer, ratio, found)
         loaded = self._load(params, grads, outer) if self.layout is not None else None
         totals: list[list[Tensor]] = [[]] * (len(self.direct) + 1)
         if self.totals_first:
@@ -461,6 +519,152 @@ class PackedGroup:
                 return optree.tree_unflatten(self.spec, news)
         assert loaded is not None
         return self._step_packed([params[i] for i in self.rest], loaded, ratio, totals[-1])
+
+    def _pieces(self, params: Sequence[Tensor]) -> list[Piece]:
+        """The pieces of the packed params (see :attr:`pieces`): each run of the layout in
+        pieces of about :data:`PIECE` elements; none where the route does not apply (a sharded
+        group, leaf labels, reductions, few packed params, params sharing memory) or would
+        make many small calls."""
+        layout = self.layout
+        if (
+            layout is None
+            or self.sharded
+            or self.labels is not None
+            or not leafwise(self.tx)
+            or len(self.rest) <= APPLY_INSIDE_MAX
+            or any(len(c) > 1 for c in overlapping([params[i] for i in self.rest]))
+            or rows_step(self.tx, self.outline, [k for k, _ in self.slots], False, GivenPack([]))
+            is None  # (a state it cannot rebuild)
+        ):
+            return []
+        position = {leaf: j for j, leaf in enumerate(layout.present())}
+        shapes = layout.shapes
+        pieces: list[Piece] = []
+        for b in range(len(layout.sizes)):
+            members = [position[i] for i in layout.members(b)]
+            taken = 0
+            for start, count, size in layout.runs(b):
+                run, taken = members[taken : taken + count], taken + count
+                if size == 0:
+                    continue
+                step = max(1, PIECE // size)
+                for r in range(0, count, step):
+                    mine = run[r : r + step]
+                    kinds = {shapes[layout.present()[j]] for j in mine}
+                    one = kinds.pop() if len(kinds) == 1 else None
+                    common = one if one is not None and len(one) > 0 else None
+                    pieces.append(Piece(b, start + r * size, len(mine), size, mine, common))
+        total = sum(piece.rows * piece.size for piece in pieces)
+        if not pieces or (len(pieces) > PIECES_MAX and total < len(pieces) * (PIECE // 4)):
+            return []
+        return pieces
+
+    def _piece_views(self, buffers: list[Tensor]) -> list[list[Tensor]]:
+        """Per piece, its members' views of ``buffers`` (buffers of the layout)."""
+        layout = self.layout
+        assert layout is not None
+        views, present = layout.views(buffers), layout.present()
+        return [[cast(Tensor, views[present[j]]) for j in piece.members] for piece in self.pieces]
+
+    def _piece_step(self, found: Stages, reads: bool) -> _kernels.Kernel | None:
+        """The pieces' compiled step (:func:`functional_opt.leaf_step.rows_step`) for the
+        transform's stages ``found``, given the params if it ``reads`` them."""
+        assert self.given_pack is not None
+        key = (found, reads)
+        if key not in self.piece_steps:
+            kinds = [kind for kind, _ in self.slots]
+            fn = rows_step(self.tx, self.outline, kinds, reads, self.given_pack)
+            if fn is None:
+                return None
+            self.piece_steps[key] = _kernels.Kernel(fn)
+        return self.piece_steps[key]
+
+    def _given(self, outer: list[Any]) -> list[Any]:
+        """The state leaves that are not per parameter, with :attr:`given_pack` made for them."""
+        kinds = [kind for kind, _ in self.slots]
+        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
+        if self.given_pack is None or not self.given_pack.fits(given):
+            self.given_pack = GivenPack(given)
+            self.leaf_outs = self.given_pack.empty()
+            self.leaf_steps = {k: v for k, v in self.leaf_steps.items() if not k[2]}
+            self.leaf_kernels.clear()
+            self.piece_steps.clear()
+            self.piece_kernels.clear()
+        return given
+
+    def _step_pieces(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        outer: list[Any],
+        ratio: float | Tensor,
+        found: Stages,
+    ) -> Any:
+        """The packed params piece by piece (:attr:`pieces`); returns the new state tree."""
+        params = self._rest(params)
+        grads = self._rest(grads)
+        views = self.rest_views
+        layout = self.layout
+        assert layout is not None
+        given = self._given(outer)
+        reads = self.reads_params.get(found)
+        if reads is None:  # (under the stages found: the caller's staged)
+            state = optree.tree_unflatten(self.spec, outer)
+            updates = Packed(layout, buffers=self.grads)
+            reads = self.reads_params[found] = _reads_params(self.tx, updates, state)
+        step = self._piece_step(found, reads)
+        assert step is not None
+        if not self.piece_updates:
+            self.piece_updates = [torch.empty_like(b) for b in self.grads]
+            self.piece_update_views = self._piece_views(self.piece_updates)
+        if reads and not self.piece_values:
+            self.piece_values = [
+                torch.empty_like(b, dtype=d)
+                for b, d in zip(self.grads, self.param_dtypes, strict=True)
+            ]
+            self.piece_value_views = self._piece_views(self.piece_values)
+        # the gradients: read where they are (the buffer's views), or copied in piece by piece
+        same = list(map(operator.is_, grads, views))
+        copy = not all(same)
+        rebind = False
+        if copy and any(same):  # (as in _load: the others copied into their views, rebound)
+            fresh = [j for j, s in enumerate(same) if not s]
+            torch._foreach_copy_([views[j] for j in fresh], [grads[j] for j in fresh])
+            for j in fresh:
+                params[j].grad = views[j]
+            copy = False
+        elif copy:
+            ids = list(map(id, grads))
+            rebind = not self.upcast and ids == self.persisting  # (see _load)
+            self.persisting = ids
+        names = [name for kind, name in self.slots if kind == "param"]
+        packed = self.given_pack.pack(given)  # type: ignore[union-attr]
+        apply = not zero_updates(self.tx, found)
+        fused = self._fused(params)
+        for q, piece in enumerate(self.pieces):
+            b, members = piece.buffer, piece.members
+            g = piece.of(self.grads[b])
+            if copy:
+                piece.copy_in(g, [grads[j] for j in members], [views[j] for j in members])
+            args = [g]
+            if reads:
+                p = piece.of(self.piece_values[b])
+                piece.copy_in(p, [params[j] for j in members], self.piece_value_views[q])
+                args.append(p)
+            args.append(piece.of(self.piece_updates[b]))
+            args += [piece.of(self.state[name][b]) for name in names]
+            step.kept_call(self.piece_kernels, (q, found), (*args, *packed, *self.leaf_outs))
+            if apply:
+                _add([params[j] for j in members], self.piece_update_views[q], ratio, fused)
+        if rebind:
+            for p_, view in zip(params, views, strict=True):
+                p_.grad = view
+            self.persisting = list(map(id, views))
+        kinds = [kind for kind, _ in self.slots]
+        news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))  # type: ignore[union-attr]
+        return optree.tree_unflatten(
+            self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
+        )
 
     def _load(
         self, params: list[Tensor], grads: list[Tensor], outer: list[Any]
@@ -821,12 +1025,7 @@ class PackedGroup:
         is not per parameter (every call computes the same ones)."""
         kinds = [kind for kind, _ in self.slots]
         known = len(totals[0])
-        given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
-        if self.given_pack is None or not self.given_pack.fits(given):
-            self.given_pack = GivenPack(given)
-            self.leaf_outs = self.given_pack.empty()
-            self.leaf_steps = {k: v for k, v in self.leaf_steps.items() if not k[2]}
-            self.leaf_kernels.clear()
+        given = self._given(outer)
         step = self._leaf_kernel(known, found, self.given_pack)
         assert step is not None
 
@@ -850,6 +1049,15 @@ class PackedGroup:
             )
         news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
+
+
+def _reads_params(tx: GradientTransformation, updates: Packed, state: Any) -> bool:
+    """Whether ``tx``'s update reads the params: its pure update without them raises."""
+    try:
+        tx.update(updates, state, None)
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: int) -> list[int]:

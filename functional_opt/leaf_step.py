@@ -48,6 +48,7 @@ __all__ = [
     "labelled_call",
     "needs_other_ranks",
     "reduction_sources",
+    "rows_step",
 ]
 
 GIVEN = ("group", "hyper")
@@ -148,6 +149,64 @@ def leaf_step(
                     old_value.copy_(value)
             elif k != "none":
                 next(outs).copy_(value)
+
+    return step
+
+
+def rows_step(
+    tx: GradientTransformation,
+    outline: Any,
+    kinds: list[str],
+    reads_params: bool,
+    pack: GivenPack,
+) -> Callable[..., None] | None:
+    """The step of a run of params of one size, to compile: ``step(g, *p, u, *state, *given,
+    *outs)`` where ``g``, ``p`` (only if ``reads_params``), the update ``u`` and each
+    per-parameter state entry are ``[rows, size]`` matrices, one param per row (a stretch of
+    the engine's packed buffers). Each row gets ``tx.update`` of the one-param tree ``[g_row]``
+    (``torch.vmap`` over the rows of the update of one param, as :func:`leaf_step` runs it, so
+    a per-leaf norm is a per-row one); the new per-parameter entries are written into
+    ``state``, the update into ``u``, and the new values of the state that is not per
+    parameter (the same for every row) into ``outs``; ``given`` and ``outs`` come as ``pack``'s
+    buffers. Nothing else is written. For a transform that treats every leaf on its own
+    without reductions (:func:`functional_opt.base.leafwise`); compiled with dynamic sizes,
+    one graph serves every piece. ``None`` when the state holds a node :class:`Rebuild`
+    cannot rebuild."""
+    shape = _rebuild(outline)
+    if shape is None:
+        return None
+    n_param = kinds.count("param")
+    n_given = len(pack.keys)
+    present = [k for k in kinds if k != "none"]
+    in_dims = (0, 0 if reads_params else None, *[0 if k == "param" else None for k in present])
+    out_dims = (0, *[0] * n_param, *[None] * sum(k in GIVEN for k in kinds))
+
+    def one(g: Tensor, p: Tensor | None, *leaves: Tensor) -> tuple[Tensor, ...]:
+        given = iter(leaves)
+        state = shape.build(iter([next(given) if k != "none" else None for k in kinds]))
+        updates, new = tx.update([g], state, None if p is None else [p])
+        new_leaves: list[Any] = []
+        shape.leaves(new, new_leaves)
+        per = [v for v, k in zip(new_leaves, kinds, strict=True) if k == "param"]
+        rest = [v for v, k in zip(new_leaves, kinds, strict=True) if k in GIVEN]
+        return (tree.leaves(updates)[0], *per, *rest)
+
+    def step(g: Tensor, *args: Tensor) -> None:
+        p = args[0] if reads_params else None
+        args = args[1:] if reads_params else args
+        u_out = args[0]
+        state_in = list(args[1 : 1 + n_param])
+        given_in = [x.clone() for x in args[1 + n_param : 1 + n_param + n_given]]
+        outs = pack.unpack(list(args[1 + n_param + n_given :]))
+        given = iter(pack.unpack(given_in))
+        per = iter(state_in)
+        leaves = [next(per) if k == "param" else next(given) for k in present]
+        results = torch.vmap(one, in_dims=in_dims, out_dims=out_dims)(g, p, *leaves)
+        u_out.copy_(results[0])
+        for old, value in zip(state_in, results[1 : 1 + n_param], strict=True):
+            old.copy_(value)
+        for out, value in zip(outs, results[1 + n_param :], strict=True):
+            out.copy_(value)
 
     return step
 

@@ -1,0 +1,250 @@
+"""The engine's piecewise route: with a transform that treats every leaf on its own without
+reductions, ``TransformOptimizer`` steps its packed params in pieces of rows of the packed
+buffers (``PackedGroup.pieces``): each piece's gradients copied in, one compiled call of the
+transform vmapped over its rows (``leaf_step.rows_step``), its update added into its params,
+while the piece is in cache.
+
+Steps are compared with the per-tensor path by rule 2 of tests/README.md (compiled and eager
+code round the same math differently); the rows step itself is compared with the transform's
+eager update over a packed tree."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import optree
+import pytest
+import torch
+from conftest import (
+    DREAMERV3_ELEMENTWISE_OPS,
+    ELEMENTWISE_OPS,
+    assert_bitwise,
+    assert_close_rounding,
+    assert_same_steps_then_sync,
+)
+
+import functional_opt as fo
+from functional_opt import _kernels, tree
+from functional_opt.adapters import TransformOptimizer, packed_group
+from functional_opt.leaf_step import GIVEN, GivenPack, rows_step
+
+# shapes of one size in one run, some of other shapes of that size (copied in one by one), an
+# odd size (rows that start at unaligned addresses), a few larger ones
+SHAPES = [(6, 7), (42,), (7, 6), (42,), (42,), (3, 14), (13,), (13,), (13,), (13,), (13,)]
+SHAPES += [(42,)] * 9 + [(9, 11)] * 3
+
+MAKERS: dict[str, tuple[Callable[[list[torch.Tensor]], TransformOptimizer], int]] = {
+    # (the maker, roundings per element of one update beyond ELEMENTWISE_OPS)
+    "adam": (lambda ps: TransformOptimizer(ps, fo.adam, lr=1e-2), 0),
+    "adamw": (lambda ps: TransformOptimizer(ps, fo.adamw(1e-2, weight_decay=0.1)), 0),
+    "sgd-momentum": (lambda ps: TransformOptimizer(ps, fo.sgd, lr=1e-2, momentum=0.9), 0),
+    # reads the params (clip by their norms, weight decay); the norms of the largest leaf
+    "dreamerv3": (
+        lambda ps: TransformOptimizer(ps, fo.dreamerv3, lr=1e-2, warmup=2),
+        DREAMERV3_ELEMENTWISE_OPS + 99 + 2,
+    ),
+    # stages: a mini-step only accumulates (no param written), every second step emits
+    "multi-steps": (
+        lambda ps: TransformOptimizer(
+            ps, fo.MultiSteps(fo.adamw(1e-2, weight_decay=0.1), 2).gradient_transformation()
+        ),
+        0,
+    ),
+}
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * 0.1 for s in SHAPES]
+
+
+def _engine(opt: TransformOptimizer) -> packed_group.PackedGroup:
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert isinstance(engine, packed_group.PackedGroup)
+    return engine
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of at most 200 elements, so that runs are cut into several."""
+    monkeypatch.setattr(packed_group, "PIECE", 200)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("persisting", [False, True], ids=["fresh-grads", "persisting-grads"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_packed_params_step_piece_by_piece_like_the_per_tensor_path(
+    name: str, persisting: bool, small_pieces: None
+) -> None:
+    """Lockstep with the per-tensor path over 5 steps (the lr changed on the fourth): every
+    param packed, in pieces of a few rows; the params keep their storage, the gradients are
+    never written (with persisting gradients they become the buffer's views, still read
+    only), and the state entries are views of the engine's buffers."""
+    make, extra = MAKERS[name]
+    params, ref_params = _params(0), _params(0)
+    opt, ref = make(params), make(ref_params)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 2**40  # (every param packed)
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in params]
+    grads = _grads(1)
+    for step in range(5):
+        if step == 3:
+            for o in (opt, ref):
+                o.param_groups[0]["lr"] = 5e-3
+        if not persisting:
+            grads = _grads(10 + step)
+        before = [p.detach().clone() for p in ref_params]
+        for ps in (params, ref_params):
+            for p, g in zip(ps, grads, strict=True):
+                if persisting and p.grad is not None:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.clone()
+        held = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        opt.step()
+        ref.step()
+        assert_bitwise([p.grad for p in params], held)
+        ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
+        assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
+    engine = _engine(opt)
+    assert engine.direct == [] and len(engine.rest) == len(SHAPES)
+    assert [(piece.rows, piece.size) for piece in engine.pieces] == [
+        *[(2, 99), (1, 99)],
+        *[(4, 42), (4, 42), (4, 42), (3, 42)],
+        (5, 13),
+    ]
+    # (leaves of one size but several shapes are copied in one by one)
+    nine, six = torch.Size([9, 11]), torch.Size([42])
+    assert [piece.shape for piece in engine.pieces] == [nine, nine, None, None, six, six, (13,)]
+    assert engine.piece_kernels  # compiled calls, kept
+    assert [p.data_ptr() for p in params] == ptrs
+    if persisting:
+        assert all(p.grad is v for p, v in zip(params, engine.rest_views, strict=True))
+    for p in params:  # each state entry a view of the engine's buffers
+        for name_, entry in opt.state[p].items():
+            buffers = engine.state.get(name_)
+            if buffers is not None:
+                assert any(entry.untyped_storage().data_ptr() == b.data_ptr() for b in buffers)
+    reads = name not in ("adam", "sgd-momentum")  # (weight decay, dreamerv3's clip)
+    assert set(engine.reads_params.values()) == (
+        {False, True} if name == "multi-steps" else {reads}
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["clip-chain", "decay-mask", "tied", "few"],
+)
+def test_groups_the_piecewise_route_cannot_take_step_over_the_whole_buffers(case: str) -> None:
+    """A reduction across leaves (a global-norm clip), leaf labels (a decay mask), params that
+    share memory (tied weights) and a group of few packed params keep the whole-buffer route."""
+    params = _params(0)
+    if case == "tied":
+        params.append(torch.nn.Parameter(params[1].data))  # the same storage as params[1]
+    if case == "few":
+        params = params[:4]
+    tx: fo.GradientTransformation = fo.adam(1e-2)
+    if case == "clip-chain":
+        tx = fo.chain(fo.clip_by_global_norm(1.0), fo.adam(1e-2))
+    if case == "decay-mask":
+        tx = fo.adamw(1e-2, weight_decay=0.1, mask=[p.dim() > 1 for p in params])
+    opt = TransformOptimizer(params, tx)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 2**40
+    for p, g in zip(params, _grads(1), strict=False):
+        p.grad = g
+    if case == "tied":
+        params[-1].grad = torch.ones_like(params[-1])
+    opt.step()
+    engine = _engine(opt)
+    assert engine.steps == 1 and engine.pieces == []
+
+
+def test_the_rows_step_is_the_transform_over_a_packed_tree_row_by_row() -> None:
+    """``rows_step`` of ``dreamerv3`` on a ``[rows, size]`` piece gives each row the update of
+    that leaf in a packed tree (the eager update, bit for bit where the compiled kernel rounds
+    as eager does: within float32 rounding per element), writes the new moments in place and
+    the counters' new values into its outputs, and leaves the gradient and params alone."""
+    tx = fo.dreamerv3(1e-2, warmup=2, _fused=False)
+    gen = torch.Generator().manual_seed(0)
+    rows, size = 5, 37
+    g = torch.randn(rows, size, generator=gen) * 0.1
+    p = torch.randn(rows, size, generator=gen)
+    state = tx.init(fo.pack(list(p)))
+    # one step first, so that the moments and counters are not zeros
+    state = tx.update(fo.pack(list(g * 0.5)), state, fo.pack(list(p)))[1]
+    want_u, want_state = tx.update(fo.pack(list(g)), state, fo.pack(list(p)))
+
+    leaves, spec = optree.tree_flatten(
+        state,
+        is_leaf=lambda x: isinstance(x, fo.Packed),
+        none_is_leaf=True,
+        namespace=tree.NAMESPACE,
+    )
+    kinds = [
+        "param" if isinstance(x, fo.Packed) else "none" if x is None else "group" for x in leaves
+    ]
+    outline = optree.tree_unflatten(spec, kinds)
+    given = [x for x, k in zip(leaves, kinds, strict=True) if k in GIVEN]
+    pack = GivenPack(given)
+    step = rows_step(tx, outline, kinds, True, pack)
+    assert step is not None
+    moments = [x.buffers[0].view(rows, size).clone() for x in leaves if isinstance(x, fo.Packed)]
+    outs = pack.empty()
+    u = torch.empty(rows, size)
+    g_in, p_in = g.clone(), p.clone()
+    _kernels.Kernel(step)(g_in, p_in, u, *moments, *pack.pack(given), *outs)
+    assert_bitwise([g_in, p_in], [g, p])
+    assert_close_rounding(
+        [u],
+        [want_u.buffers[0].view(rows, size)],
+        dtype=torch.float32,  # type: ignore[union-attr]
+        ops=DREAMERV3_ELEMENTWISE_OPS + size,
+    )
+    new_leaves = optree.tree_leaves(
+        want_state,
+        is_leaf=lambda x: isinstance(x, fo.Packed),
+        none_is_leaf=True,
+        namespace=tree.NAMESPACE,
+    )
+    want_moments = [x.buffers[0].view(rows, size) for x in new_leaves if isinstance(x, fo.Packed)]
+    assert_close_rounding(moments, want_moments, dtype=torch.float32, ops=DREAMERV3_ELEMENTWISE_OPS)
+    want_given = [x for x in new_leaves if isinstance(x, torch.Tensor) and x.dim() == 0]
+    assert_bitwise(pack.unpack(outs), want_given)
+
+
+def test_a_model_steps_the_same_with_and_without_pieces() -> None:
+    """A model through ``zero_grad`` and backward: the piecewise route (its default pieces)
+    and the whole-buffer route give the same params within rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(30, 30) for _ in range(6)])
+    twin = copy.deepcopy(model)
+    opts = []
+    for m in (model, twin):
+        o = TransformOptimizer(m.parameters(), fo.adam, lr=1e-2)
+        o.fused_min_numel = 0
+        o.direct_min_numel = 2**40
+        opts.append(o)
+    for step in range(3):
+        x = torch.randn(4, 30)
+        before = [p.detach().clone() for p in twin.parameters()]
+        for i, (m, o) in enumerate(zip((model, twin), opts, strict=True)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            if i == 1 and step == 0:
+                with pytest.MonkeyPatch.context() as patch:  # (the whole-buffer route)
+                    patch.setattr(packed_group.PackedGroup, "_pieces", lambda self, ps: [])
+                    o.step()
+            else:
+                o.step()
+        assert_same_steps_then_sync(
+            list(model.parameters()), list(twin.parameters()), before, ELEMENTWISE_OPS * 2
+        )
+    assert _engine(opts[0]).pieces and not _engine(opts[1]).pieces
