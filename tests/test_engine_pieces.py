@@ -252,3 +252,47 @@ def test_a_model_steps_the_same_with_and_without_pieces() -> None:
             list(model.parameters()), list(twin.parameters()), before, ELEMENTWISE_OPS * 2
         )
     assert _engine(opts[0]).pieces and not _engine(opts[1]).pieces
+
+
+def test_dreamerv3_optimizer_on_16_bit_params_steps_in_pieces_like_the_per_tensor_path() -> None:
+    """``DreamerV3Optimizer`` on the engine with bfloat16 params: the gradients copied into the
+    float32 buffer piece by piece (never bucket views), the params' 16-bit values read, the
+    float32 update added into them rounded once, as on the per-tensor path."""
+    from functional_opt.adapters import DreamerV3Optimizer
+
+    shapes = [(300,)] * 12 + [(50, 6)] * 6 + [(17,)] * 8
+
+    def make() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+
+    params, ref_params = make(), make()
+    opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=0)
+    ref = DreamerV3Optimizer(ref_params, lr=1e-2, warmup_steps=0)
+    opt.flat_step = ref.flat_step = False
+    opt.fused_min_numel, opt.direct_min_numel = 0, 2**40
+    ref.fused_steps = False
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 + step)
+        grads = [torch.randn(s, generator=gen).bfloat16() * 0.1 for s in shapes]
+        before = [p.detach().float() for p in ref_params]
+        for ps in (params, ref_params):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+        opt.step()
+        ref.step()
+        # one bfloat16 rounding of p + u apart at most (the float32 updates agree to rounding)
+        assert_close_rounding(
+            [p.detach().float() for p in params],
+            [p.detach().float() for p in ref_params],
+            dtype=torch.bfloat16,
+            ops=1,
+            scale=[b.abs() + 1e-2 for b in before],
+        )
+        with torch.no_grad():
+            for p, q in zip(params, ref_params, strict=True):
+                p.copy_(q)
+    engine = _engine(opt)
+    assert engine.upcast and len(engine.pieces) == 2
+    assert all(g.dtype == torch.float32 for g in engine.grads)
+    assert all(p.grad is not v for p, v in zip(params, engine.rest_views, strict=True))
