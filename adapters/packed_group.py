@@ -579,8 +579,8 @@ class PackedGroup:
             self.piece_steps[key] = _kernels.Kernel(fn)
         return self.piece_steps[key]
 
-    def _given(self, outer: list[Any]) -> list[Any]:
-        """The state leaves that are not per parameter, with :attr:`given_pack` made for them."""
+    def _given(self, outer: list[Any]) -> tuple[list[Any], GivenPack]:
+        """The state leaves that are not per parameter, and :attr:`given_pack`, made for them."""
         kinds = [kind for kind, _ in self.slots]
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         if self.given_pack is None or not self.given_pack.fits(given):
@@ -590,7 +590,7 @@ class PackedGroup:
             self.leaf_kernels.clear()
             self.piece_steps.clear()
             self.piece_kernels.clear()
-        return given
+        return given, self.given_pack
 
     def _step_pieces(
         self,
@@ -606,7 +606,7 @@ class PackedGroup:
         views = self.rest_views
         layout = self.layout
         assert layout is not None
-        given = self._given(outer)
+        given, pack = self._given(outer)
         reads = self.reads_params.get(found)
         if reads is None:  # (under the stages found: the caller's staged)
             state = optree.tree_unflatten(self.spec, outer)
@@ -638,7 +638,7 @@ class PackedGroup:
             rebind = not self.upcast and ids == self.persisting  # (see _load)
             self.persisting = ids
         names = [name for kind, name in self.slots if kind == "param"]
-        packed = self.given_pack.pack(given)  # type: ignore[union-attr]
+        packed = pack.pack(given)
         apply = not zero_updates(self.tx, found)
         fused = self._fused(params)
         for q, piece in enumerate(self.pieces):
@@ -661,7 +661,7 @@ class PackedGroup:
                 p_.grad = view
             self.persisting = list(map(id, views))
         kinds = [kind for kind, _ in self.slots]
-        news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))  # type: ignore[union-attr]
+        news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
         return optree.tree_unflatten(
             self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         )
@@ -1025,17 +1025,17 @@ class PackedGroup:
         is not per parameter (every call computes the same ones)."""
         kinds = [kind for kind, _ in self.slots]
         known = len(totals[0])
-        given = self._given(outer)
-        step = self._leaf_kernel(known, found, self.given_pack)
+        given, pack = self._given(outer)
+        step = self._leaf_kernel(known, found, pack)
         assert step is not None
 
         def kernel_for(stages_: Stages) -> _kernels.Kernel:
-            out = step if stages_ is found else self._leaf_kernel(known, stages_, self.given_pack)
+            out = step if stages_ is found else self._leaf_kernel(known, stages_, pack)
             assert out is not None
             return out
 
         names = [name for kind, name in self.slots if kind == "param"]
-        packed = self.given_pack.pack(given)
+        packed = pack.pack(given)
         device = params[self.direct[0]].device
         if isinstance(ratio, Tensor):
             scale = ratio.detach().to(device=device, dtype=torch.float64)
@@ -1047,7 +1047,7 @@ class PackedGroup:
             labelled_call(
                 kernel_for, self.leaf_kernels, (i, known), found, self._label(i), (*args, *own)
             )
-        news = iter(self.given_pack.unpack([x.clone() for x in self.leaf_outs]))
+        news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 
 

@@ -179,7 +179,7 @@ def rows_step(
     n_given = len(pack.keys)
     present = [k for k in kinds if k != "none"]
     in_dims = (0, 0 if reads_params else None, *[0 if k == "param" else None for k in present])
-    out_dims = (0, *[0] * n_param, *[None] * sum(k in GIVEN for k in kinds))
+    out_dims: Any = (0, *[0] * n_param, *[None] * sum(k in GIVEN for k in kinds))
 
     def one(g: Tensor, p: Tensor | None, *leaves: Tensor) -> tuple[Tensor, ...]:
         given = iter(leaves)
