@@ -75,10 +75,10 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_group, "PIECE", 200)
 
 
-# (each case compiles its kernels: a few transforms, each with one kind of gradients; the
+# (each case compiles its kernels: a few transforms, each with one kind of gradients, adam in
+# the model test below; the
 # second CPU code path reruns the one whose kernel reduces, DreamerV3's norms)
 CASES = [
-    pytest.param("adam", False, id="adam-fresh"),
     pytest.param("adamw", True, id="adamw-persisting"),
     pytest.param("dreamerv3", False, id="dreamerv3-fresh", marks=pytest.mark.numerics),
     pytest.param("multi-steps", True, id="multi-steps-persisting"),
