@@ -31,7 +31,13 @@ call of :func:`leaf_step`, the transform's update of that one param compiled onc
 gradient where it is, keeps the param's state in tensors of its own and writes ``p + ratio u``
 into the param's storage in the pass that computes ``u``: nothing is copied, so the step moves
 what torch's fused Adam moves, plus one call's dispatch (about 10-30 us) per param. The other
-params take the packed route above.
+params take the packed route above, and with such a transform that takes no reductions over
+all leaves, more than :data:`APPLY_INSIDE_MAX` of them and no leaf labels, no shared memory or
+shards, they take it *piece by piece* (:attr:`PackedGroup.pieces`): rows of the buffers of
+about :data:`PIECE` elements, each piece's gradients (and the params' values, where the
+transform reads them) copied in, one call of :func:`functional_opt.leaf_step.rows_step` (the
+one-param update vmapped over the piece's rows, one graph for every piece) and its update
+added into its params while the piece is in cache.
 
 A group of ``DTensor`` params (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(), Shard(0))``; see
 :func:`functional_opt._lists.local_shards`) with ``DTensor`` gradients of the same placements
@@ -486,7 +492,8 @@ class PackedGroup:
         ratio: float | Tensor,
     ) -> Any:
         """One update: the direct params one at a time (:meth:`_step_direct`), then the others'
-        gradients into the buffer, the fused update, ``p += ratio * u``. ``outer`` holds the
+        gradients into the buffer, the fused update, ``p += ratio * u`` (or those steps piece
+        by piece, :meth:`_step_pieces`). ``outer`` holds the
         leaves of the state tree down to its per-parameter nodes (:attr:`spec`, :attr:`slots`),
         the per-parameter ones packed. Returns the new state tree (packed per-parameter
         subtrees). For a transform leafwise given its reductions, their totals over the group
