@@ -544,7 +544,8 @@ class PackedGroup:
             is None  # (a state it cannot rebuild)
         ):
             return []
-        position = {leaf: j for j, leaf in enumerate(layout.present())}
+        present = layout.present()
+        position = {leaf: j for j, leaf in enumerate(present)}
         shapes = layout.shapes
         pieces: list[Piece] = []
         for b in range(len(layout.sizes)):
@@ -557,7 +558,7 @@ class PackedGroup:
                 step = max(1, PIECE // size)
                 for r in range(0, count, step):
                     mine = run[r : r + step]
-                    kinds = {shapes[layout.present()[j]] for j in mine}
+                    kinds = {shapes[present[j]] for j in mine}
                     one = kinds.pop() if len(kinds) == 1 else None
                     common = one if one is not None and len(one) > 0 else None
                     pieces.append(Piece(b, start + r * size, len(mine), size, mine, common))
@@ -631,19 +632,7 @@ class PackedGroup:
             ]
             self.piece_value_views = self._piece_views(self.piece_values)
         # the gradients: read where they are (the buffer's views), or copied in piece by piece
-        same = list(map(operator.is_, grads, views))
-        copy = not all(same)
-        rebind = False
-        if copy and any(same):  # (as in _load: the others copied into their views, rebound)
-            fresh = [j for j, s in enumerate(same) if not s]
-            torch._foreach_copy_([views[j] for j in fresh], [grads[j] for j in fresh])
-            for j in fresh:
-                params[j].grad = views[j]
-            copy = False
-        elif copy:
-            ids = list(map(id, grads))
-            rebind = not self.upcast and ids == self.persisting  # (see _load)
-            self.persisting = ids
+        copy, persist = self._gradients_in(params, grads)
         names = [name for kind, name in self.slots if kind == "param"]
         packed = pack.pack(given)
         apply = not zero_updates(self.tx, found)
@@ -663,15 +652,47 @@ class PackedGroup:
             step.kept_call(self.piece_kernels, (q, found), (*args, *packed, *self.leaf_outs))
             if apply:
                 _add([params[j] for j in members], self.piece_update_views[q], ratio, fused)
-        if rebind:
-            for p_, view in zip(params, views, strict=True):
-                p_.grad = view
-            self.persisting = list(map(id, views))
+        if persist:
+            self._rebind(params)
         kinds = [kind for kind, _ in self.slots]
         news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
         return optree.tree_unflatten(
             self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         )
+
+    def _gradients_in(self, params: list[Tensor], grads: list[Tensor]) -> tuple[bool, bool]:
+        """Where this step reads the packed params' gradients (``params`` and ``grads``: the
+        packed ones'): ``(copy, persist)``. ``copy``: they must be copied into the buffer (they
+        are not its views). Where some are views already (a param that had no gradient got a
+        fresh one) the others are copied into theirs here and rebound to them as the rest are,
+        leaving nothing to copy (a copy of all would read the buffer it writes). ``persist``:
+        they are the same tensors as on the last step, so they persist between steps
+        (``zero_grad(set_to_none=False)``): once copied, the caller rebinds them to their
+        views (:meth:`_rebind`)."""
+        views = self.rest_views
+        same = list(map(operator.is_, grads, views))
+        if all(same):
+            return False, False
+        if any(same):
+            fresh = [j for j, s in enumerate(same) if not s]
+            torch._foreach_copy_([views[j] for j in fresh], [grads[j] for j in fresh])
+            if not self.sharded:
+                for j in fresh:
+                    params[j].grad = views[j]
+            return False, False
+        ids = list(map(id, grads))
+        persist = not self.sharded and not self.upcast and ids == self.persisting
+        self.persisting = ids
+        return True, persist
+
+    def _rebind(self, params: list[Tensor]) -> None:
+        """Make the packed params' gradients their views of the buffer, which hold their values
+        now and which backward accumulates into from now on (as DDP's
+        ``gradient_as_bucket_view``). A fresh tensor that happened to get a freed one's id is
+        rebound too: its values are in the view all the same."""
+        for p, view in zip(params, self.rest_views, strict=True):
+            p.grad = view
+        self.persisting = list(map(id, self.rest_views))
 
     def _load(
         self, params: list[Tensor], grads: list[Tensor], outer: list[Any]
@@ -682,37 +703,16 @@ class PackedGroup:
         params = self._rest(params)
         grads = self._rest(grads)
         state = optree.tree_unflatten(self.spec, outer)
-        grad_views = self.rest_views
         # The gradient buffer is ours (a copy) unless the params' gradients are its views
         # (bucket views): then they are the user's, and the update may not be written over them
         # (the optimizer never writes the gradients).
-        same = list(map(operator.is_, grads, grad_views))
-        ours = not all(same)
-        if ours and any(same):
-            # Some are views already (a param that had no gradient got a fresh one): the others
-            # copied into theirs, and rebound to them as the rest are (a gather would read the
-            # buffer it writes)
-            fresh = [j for j, s in enumerate(same) if not s]
-            torch._foreach_copy_([grad_views[j] for j in fresh], [grads[j] for j in fresh])
-            if not self.sharded:
-                for j in fresh:
-                    params[j].grad = grad_views[j]
-            ours = False
-        elif ours:
+        copy, persist = self._gradients_in(params, grads)
+        if copy:
             assert self.grad_gather is not None
             self.grad_gather(grads)
-            ids = list(map(id, grads))
-            if not self.sharded and not self.upcast and ids == self.persisting:
-                # The same gradient tensors as on the last step: they persist between steps
-                # (``zero_grad(set_to_none=False)``), so from now on they are the buffer's
-                # views, which hold their values now and which backward accumulates into (as
-                # DDP's ``gradient_as_bucket_view``). A fresh tensor that happens to get a
-                # freed one's id is rebound too: its values are in the view all the same.
-                for p, view in zip(params, grad_views, strict=True):
-                    p.grad = view
-                ours = False
-                ids = list(map(id, grad_views))
-            self.persisting = ids
+            if persist:
+                self._rebind(params)
+        ours = copy and not persist
         donate: dict[str, Any] = {DONATE: True if ours else STATE_ONLY}
         layout = self.layout
         assert layout is not None

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -168,6 +168,18 @@ namesakes (adamw with Nesterov, ``eps_root``, weight decay and a cosine schedule
 3, second 4, both bias corrections (power, difference, quotient: 3 each), the Nesterov mix 4,
 ``sqrt(v + eps_root) + eps`` 3, the quotient 1, weight decay 2, the schedule's cosine and
 arithmetic 5, the learning rate 1: 31, rounded up). Norms add their sums."""
+
+
+def step_with_grads(
+    runs: Sequence[tuple[Sequence[torch.Tensor], torch.optim.Optimizer]],
+    grads: Sequence[torch.Tensor],
+) -> None:
+    """Each ``(params, optimizer)`` of ``runs``: its params given copies of ``grads``, then a
+    step (two optimizers in lockstep on the same gradients)."""
+    for params, optimizer in runs:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
 
 
 def assert_same_steps_then_sync(

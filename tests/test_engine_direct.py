@@ -22,6 +22,7 @@ from conftest import (
     assert_bitwise,
     assert_close_rounding,
     assert_same_steps_then_sync,
+    step_with_grads,
 )
 from torch import Tensor
 
@@ -271,10 +272,7 @@ def test_a_group_of_only_large_params_steps_them_all_directly() -> None:
         gen = torch.Generator().manual_seed(30 + step)
         grads = [torch.randn(p.shape, generator=gen) for p in params]
         before = [p.detach().clone() for p in ref_params]
-        for ps, o in ((params, opt), (ref_params, ref)):
-            for p, g in zip(ps, grads, strict=True):
-                p.grad = g.clone()
-            o.step()
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
         got = [p.detach() - b for p, b in zip(params, before, strict=True)]
         want = [p.detach() - b for p, b in zip(ref_params, before, strict=True)]
         ops = (ELEMENTWISE_OPS + DREAMERV3_ELEMENTWISE_OPS + 50 * 30 + 2) * (step + 1) + 2

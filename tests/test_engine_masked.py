@@ -14,6 +14,7 @@ from conftest import (
     assert_bitwise,
     assert_close_rounding,
     assert_same_steps_then_sync,
+    step_with_grads,
 )
 
 import functional_opt as fo
@@ -127,10 +128,7 @@ def test_a_masked_chain_steps_on_the_direct_route_like_the_per_tensor_path(
         gen = torch.Generator().manual_seed(30 + step)
         grads = [torch.randn(p.shape, generator=gen) for p in params]
         before = [p.detach().clone() for p in ref_params]
-        for ps, o in ((params, opt), (ref_params, ref)):
-            for p, g in zip(ps, grads, strict=True):
-                p.grad = g.clone()
-            o.step()
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
         ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
         assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
     engine = opt._layouts[0].engine  # type: ignore[union-attr]

@@ -22,6 +22,7 @@ from conftest import (
     assert_bitwise,
     assert_close_rounding,
     assert_same_steps_then_sync,
+    step_with_grads,
 )
 
 import functional_opt as fo
@@ -279,11 +280,7 @@ def test_dreamerv3_optimizer_on_16_bit_params_steps_in_pieces_like_the_per_tenso
         gen = torch.Generator().manual_seed(10 + step)
         grads = [torch.randn(s, generator=gen).bfloat16() * 0.1 for s in shapes]
         before = [p.detach().float() for p in ref_params]
-        for ps in (params, ref_params):
-            for p, g in zip(ps, grads, strict=True):
-                p.grad = g.clone()
-        opt.step()
-        ref.step()
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
         # one bfloat16 rounding of p + u apart at most (the float32 updates agree to rounding)
         assert_close_rounding(
             [p.detach().float() for p in params],
