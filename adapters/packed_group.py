@@ -160,6 +160,7 @@ class PackedGroup:
         given: Sequence[Any] | None = None,
         direct_rest_max: int = 0,
         upcast: bool = False,
+        labels: list[Stages] | None = None,
     ) -> None:
         self.slots_type = slots_type
         self.spec = spec
@@ -213,7 +214,9 @@ class PackedGroup:
         """Each param's labels (:func:`functional_opt.base.leaf_labels`: a mask's flag, read
         off the group's whole tree once), added to the stages its direct step is compiled and
         run under; ``None`` for a transform that has none."""
-        if direct_min > 0 and leafwise(tx, reductions=True) and has_leaf_labels(tx):
+        if labels is not None:  # (read off the whole group: these params are a part of it)
+            self.labels = labels
+        elif direct_min > 0 and leafwise(tx, reductions=True) and has_leaf_labels(tx):
             try:
                 self.labels = None if self.sharded else leaf_labels(tx, slots_type(params))
             except ValueError:

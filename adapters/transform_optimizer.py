@@ -48,14 +48,19 @@ from functional_opt import _lists, _validate, tree
 from functional_opt.base import (
     DONATE,
     GradientTransformation,
+    Stages,
     UnknownStepSize,
     extra_keywords,
+    fusable,
+    has_leaf_labels,
+    pinned,
     step_size,
 )
 from functional_opt.checkpoint import state_paths
 from functional_opt.leaf_step import GIVEN, LOW_PRECISION
 from functional_opt.transforms.hyperparams import InjectHyperparamsState, inject_hyperparams
 
+from .label_parts import LabelParts, label_parts
 from .packed_group import (
     NotPackable,
     PackedGroup,
@@ -840,10 +845,17 @@ class TransformOptimizer(torch.optim.Optimizer):
             return None
         if layout.engine is None and sum(p.numel() for p in params) < self.fused_min_numel:
             return None
+        if isinstance(layout.engine, LabelParts):
+            ready = layout.engine.packable(layout.tx, params, grads, layout.param_template)
+            return layout.engine if ready else None
         shards = None
         if not packable(layout.tx, params, grads, layout.param_template):
             shards = shards_of(layout.tx, params, grads, layout.param_template)
             if shards is None:
+                if layout.engine is None and not fusable(layout.tx) and has_leaf_labels(layout.tx):
+                    # (partition, a stateful masked: fusable over parts of one label each)
+                    layout.engine = self._label_parts(layout, params, group_state) or False
+                    return self._engine(layout, params, grads, group_state)
                 return None
         if layout.engine is None:
             try:
@@ -886,24 +898,120 @@ class TransformOptimizer(torch.optim.Optimizer):
             return None
         return engine
 
+    def _label_parts(
+        self, layout: _Layout, params: list[Tensor], group_state: Mapping[str, Tensor]
+    ) -> LabelParts | None:
+        """The group as parts of one label each (see
+        :mod:`functional_opt.adapters.label_parts`), or ``None``."""
+        slots = [(slot.kind, slot.name) for slot in layout.slots]
+
+        def make(
+            mine: list[Tensor],
+            templates: dict[str, list[Tensor]],
+            part_slots: list[tuple[str, str]],
+            labels: list[Stages],
+        ) -> PackedGroup:
+            return PackedGroup(
+                mine,
+                templates,
+                layout.tx,
+                ParamSlots,
+                layout.spec,
+                part_slots,
+                direct_min=self.direct_min_numel,
+                direct_rest_max=self.direct_rest_max,
+                upcast=self.upcast_16bit_grads,
+                labels=labels,
+            )
+
+        try:
+            return label_parts(
+                layout.tx,
+                params,
+                layout.param_template,
+                layout.spec,
+                slots,
+                _outer_state(layout, group_state, lambda name: None),
+                ParamSlots,
+                make,
+            )
+        except NotPackable:
+            return None
+
     def _engine_update(
         self,
         layout: _Layout,
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
-        engine: PackedGroup,
+        engine: PackedGroup | LabelParts,
         group_state: dict[str, Tensor],
         entries: list[dict[str, Tensor]] | None = None,
     ) -> None:
+        ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
+        if isinstance(engine, LabelParts):
+            if entries is None:
+                entries = list(map(self.state.__getitem__, params))
+            if engine.orphans is not None:  # (the counters of masks no param is in)
+                with pinned(engine.orphans):
+                    self._update_no_param(layout, group_state)
+            for part in engine.parts:  # (each part's counters are its own: see label_parts)
+                with pinned(part.stages):
+                    self._packed_update(
+                        layout,
+                        part.slots,
+                        [params[i] for i in part.members],
+                        [grads[i] for i in part.members],
+                        part.group,
+                        group_state,
+                        [entries[i] for i in part.members],
+                        ratio,
+                    )
+            self._group_state_out(group, layout)
+            return
         # a usual step's params are where the last step left them (checked): kept for the next
         addresses = engine.usual[0] if entries is not None and engine.usual is not None else None
         engine.usual = None  # (until this step ends well)
         if entries is None:
             entries = list(map(self.state.__getitem__, params))
+        slots = [(slot.kind, slot.name) for slot in layout.slots]
+        self._packed_update(layout, slots, params, grads, engine, group_state, entries, ratio)
+        self._group_state_out(group, layout)
+        if not engine.sharded:
+            engine.accept(params, entries, addresses, self.state)
+
+    def _update_no_param(self, layout: _Layout, group_state: dict[str, Tensor]) -> None:
+        """The transform's update of no param: the group-level state it changes."""
+        none = ParamSlots(())
+        outer = _outer_state(layout, group_state, lambda name: none)
+        _, new_state = layout.tx.update(none, optree.tree_unflatten(layout.spec, outer), none)
+        new_outer, _ = _flatten_outer(new_state)
+        changed = [
+            (old, new)
+            for slot, old, new in zip(layout.slots, outer, new_outer, strict=True)
+            if slot.kind == "group" and new is not old
+        ]
+        _copy_state([old for old, _ in changed], [new for _, new in changed])
+
+    def _packed_update(
+        self,
+        layout: _Layout,
+        slots: list[tuple[str, str]],
+        params: list[Tensor],
+        grads: list[Tensor],
+        engine: PackedGroup,
+        group_state: dict[str, Tensor],
+        entries: list[dict[str, Tensor]],
+        ratio: float | Tensor,
+    ) -> None:
+        """One :class:`PackedGroup`'s step (the group's, or a part's: ``slots`` are its own);
+        the group-level state it changes is copied into ``group_state``."""
         engine.adopt_state(entries)
-        outer = _outer_state(layout, group_state, engine.packed_state)
-        ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
+        outer = _outer_state(
+            layout,
+            group_state,
+            lambda name: engine.packed_state(name) if name in engine.state else None,
+        )
         new_state = engine.step(params, grads, outer, ratio)
         new_outer, spec = flatten_to_packed(new_state, ParamSlots)
         if spec != layout.spec:
@@ -912,16 +1020,13 @@ class TransformOptimizer(torch.optim.Optimizer):
             )
         dst: list[Tensor] = []
         src: list[Tensor] = []
-        for slot, old, new in zip(layout.slots, outer, new_outer, strict=True):
-            if slot.kind == "param" and new is not old:
-                engine.write_back(slot.name, new)
-            elif slot.kind == "group" and new is not old:
+        for (kind, name), old, new in zip(slots, outer, new_outer, strict=True):
+            if kind == "param" and new is not old:
+                engine.write_back(name, new)
+            elif kind == "group" and new is not old:
                 dst.append(old)
                 src.append(new)
         _copy_state(dst, src)
-        self._group_state_out(group, layout)
-        if not engine.sharded:
-            engine.accept(params, entries, addresses, self.state)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, holding tensors and plain data only: a group option that is

@@ -546,9 +546,13 @@ def staged(values: Stages) -> Iterator[None]:
 
 
 def current_stage(key: int) -> Hashable | None:
-    """The value the engine set for ``key`` with :func:`staged`, or ``None``. Read while
-    ``torch.compile`` traces, it is a Python constant of the graph (guarded by dynamo)."""
-    return _CURRENT.get(key)
+    """The value the engine set for ``key`` with :func:`staged` (or, outside it, with
+    :func:`pinned`), or ``None``. Read while ``torch.compile`` traces, it is a Python constant
+    of the graph (guarded by dynamo)."""
+    value = _CURRENT.get(key)
+    if value is None:
+        value = _PINNED.get(key)
+    return value
 
 
 _ZERO_UPDATES = "__functional_opt_zero_updates__"

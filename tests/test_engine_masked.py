@@ -20,7 +20,16 @@ from conftest import (
 import functional_opt as fo
 from functional_opt import tree
 from functional_opt.adapters import TransformOptimizer
-from functional_opt.base import has_leaf_labels, leaf_labels, leafwise, part_labels, staged
+from functional_opt.base import (
+    fusable,
+    has_leaf_labels,
+    leaf_labels,
+    leafwise,
+    part_labels,
+    pinned,
+    staged,
+)
+from functional_opt.transforms.combinators import MaskedState
 
 
 def _every_other(ps: Any) -> list[bool]:
@@ -67,13 +76,42 @@ def test_a_masked_leaf_updates_alone_given_its_label_as_in_the_tree(mask: str) -
     assert_bitwise(u, want[1:])
 
 
-def test_a_mask_over_a_stateful_transform_is_not_leafwise() -> None:
-    """A masked transform that keeps state (over the masked leaves only) is not stepped leaf by
-    leaf: its params' states differ in structure."""
+def test_a_mask_over_a_stateful_transform_is_leafwise_only_on_a_part_of_one_flag() -> None:
+    """A masked transform that keeps state (over the masked leaves only) is neither leafwise
+    nor fusable over a whole tree (its params' states differ in structure), but it gives its
+    flags as labels, and on a part of the tree whose leaves share a flag (what
+    ``TransformOptimizer`` steps: see ``label_parts``) it is both: flag true, the inner over
+    the part as is (the same bits as the whole tree's update of those leaves); flag false,
+    the updates and the state passed through untouched."""
     tx = fo.masked(fo.scale_by_adam(), _every_other)
-    assert not leafwise(tx, reductions=True)
-    with pytest.raises(ValueError, match="cannot label"):
-        leaf_labels(tx, _leaves(0))
+    assert not leafwise(tx, reductions=True) and not fusable(tx)
+    leaves = _leaves(0)
+    labels = leaf_labels(tx, leaves)
+    assert labels is not None and [dict(mine) for mine in labels] == [
+        {labels[0][0][0]: i % 2 == 0} for i in range(len(leaves))
+    ]
+    masked_in, left_out = [0, 2], [1]
+    grads = [torch.randn_like(x) for x in leaves]
+    whole_u, whole_state = tx.update(grads, tx.init(leaves), leaves)
+    inner = fo.scale_by_adam()
+    with pinned(part_labels(labels, masked_in)):
+        assert leafwise(tx) and fusable(tx)
+        mine = [leaves[i] for i in masked_in]
+        u, state = tx.update([grads[i] for i in masked_in], MaskedState(inner.init(mine)), mine)
+    assert_bitwise(u, [whole_u[i] for i in masked_in])
+    assert_bitwise(
+        [state.inner_state.mu, state.inner_state.nu],
+        [
+            [whole_state.inner_state.mu[i] for i in masked_in],
+            [whole_state.inner_state.nu[i] for i in masked_in],
+        ],
+    )
+    with pinned(part_labels(labels, left_out)):
+        assert leafwise(tx) and fusable(tx)
+        other = [grads[i] for i in left_out]
+        untouched = MaskedState(inner.init([leaves[i] for i in left_out]))
+        u, state = tx.update(other, untouched, [leaves[i] for i in left_out])
+    assert u is other and state is untouched
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:

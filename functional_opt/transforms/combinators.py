@@ -23,6 +23,7 @@ from functional_opt.base import (
     declare_fusable,
     declare_leaf_labels,
     declare_leafwise,
+    declare_member_labels,
     expect_state,
     extra_keywords,
     fusable,
@@ -222,13 +223,16 @@ def _masked(
     mask: PyTree | Callable[[Params], PyTree],
     accepted: frozenset[str] | None,
     where: str,
+    key: int | None = None,
 ) -> GradientTransformation:
-    """:func:`masked`, with the keywords ``inner`` accepts already known."""
+    """:func:`masked`, with the keywords ``inner`` accepts already known; ``key``: the key of
+    its labels (by default the mask's identity)."""
 
     # The label of a leaf the engine steps alone (see declare_leaf_labels): its flag, under
     # this key (the mask's own identity: the same for every instance made with it, as
     # inject_hyperparams makes one per step; two masks that are one object give one answer)
-    key = id(mask)
+    if key is None:
+        key = id(mask)
 
     def bools(reference: PyTree) -> list[bool]:
         flag = current_stage(key)
@@ -293,6 +297,13 @@ def _masked(
     ) -> tuple[Updates, MaskedState]:
         check_extra(extra, where, accepted)
         expect_state(state, MaskedState, where)
+        if not stateless():
+            flag = shared_flag()
+            if flag is True:  # a part of the tree masked throughout: the inner over it as is
+                new_u, inner_state = inner.update(updates, state.inner_state, params, **extra)
+                return new_u, MaskedState(inner_state)
+            if flag is False:  # a part left out throughout: its state is another part's
+                return updates, state
         if tree._is_buffered(updates) and fast():
             done = on_buffers(updates, state, params, extra)
             if done is not None:
@@ -312,28 +323,53 @@ def _masked(
         out = [n if k else old for n, old, k in zip(new_flat, u, keep, strict=True)]
         return tree.unflatten(spec, out), MaskedState(inner_state)
 
-    known: list[bool] = []
+    known: dict[str, bool] = {}
+
+    def stateless() -> bool:
+        """Whether ``inner`` keeps no tensors (``add_decayed_weights``, ``scale``, clipping),
+        once known."""
+        if "stateless" not in known:
+            known["stateless"] = _stateless(inner)
+        return known["stateless"]
+
+    def shared_flag() -> bool | None:
+        """The flag the engine gave every leaf it steps now, when they share one: a leaf
+        stepped alone, or a part of the tree whose leaves all have one flag (under
+        :func:`functional_opt.base.pinned`); else ``None``."""
+        flag = current_stage(key)
+        if isinstance(flag, bool):
+            return flag
+        if isinstance(flag, tuple) and flag and all(f is flag[0] for f in flag):
+            return flag[0] if isinstance(flag[0], bool) else None
+        return None
 
     def fast() -> bool:
-        """Whether the packed route is taken: for a fusable inner that keeps no tensors
-        (``add_decayed_weights``, ``scale``, clipping), once known (a stateful inner keeps its
-        state over the masked leaves only, which the packed route does not hold)."""
-        if not known:
-            known.append(fusable(inner) and _stateless(inner))
-        return known[0]
+        """Whether the update is fusable: a fusable inner that keeps no tensors (then the
+        masked leaves are picked out of the buffers), or a stateful one on a part of the tree
+        that the engine steps with one flag for all its leaves (a stateful inner keeps its
+        state over the masked leaves only: ``TransformOptimizer`` steps each label's params as
+        a part of their own, see ``functional_opt.adapters.label_parts``)."""
+        if "fusable" not in known:
+            known["fusable"] = fusable(inner)
+        return known["fusable"] and (stateless() or shared_flag() is not None)
 
-    labelling: list[bool] = []
+    def labelling() -> bool:
+        """Whether the leaves' flags can be given to the engine as labels: an inner that treats
+        every leaf on its own without reductions and has no labels of its own."""
+        if "labelling" not in known:
+            known["labelling"] = (
+                fusable(inner) and leafwise_level(inner) == 2 and not has_leaf_labels(inner)
+            )
+        return known["labelling"]
 
     def labelled() -> bool:
-        """Whether a leaf may be stepped alone given its flag: an inner that treats every leaf
-        on its own without reductions, keeps no tensors (every param's state then has one
-        structure, masked or not) and has no labels of its own."""
-        if not labelling:
-            labelling.append(fast() and leafwise_level(inner) == 2 and not has_leaf_labels(inner))
-        return labelling[0]
+        """Whether a leaf may be stepped alone given its flag: a labelling inner (above) that
+        keeps no tensors (every param's state then has one structure, masked or not), or a
+        stateful one on a part stepped with one flag for all its leaves."""
+        return labelling() and fast()
 
     def labels(params: Params) -> list[Stages] | None:
-        if not labelled():
+        if not labelling():
             return None
         return [((key, flag),) for flag in bools(params)]
 
@@ -377,21 +413,30 @@ def partition(
             )
         return labels
 
-    def masks(reference: PyTree) -> dict[Hashable, GradientTransformation]:
-        labels = labels_of(reference)
-        _, spec = tree.flatten(reference)
-        return {
-            label: _masked(
-                tx,
-                tree.unflatten(spec, [lab == label for lab in labels]),
-                accepts[label],
-                f"partition[{label!r}]",
-            )
-            for label, tx in transforms.items()
-        }
+    def label_mask(label: Hashable) -> Callable[[PyTree], PyTree]:
+        def mask(reference: PyTree) -> PyTree:
+            _, spec = tree.flatten(reference)
+            return tree.unflatten(spec, [lab == label for lab in labels_of(reference)])
+
+        return mask
+
+    # one masked transform per label, made once: its mask (a function of the params) is the
+    # same object every step, so the engine can give each leaf's flags as labels (see masked)
+    # (keyed by the labels' identity and the label: the same for every instance made with
+    # them, as inject_hyperparams makes one per step)
+    members = {
+        label: _masked(
+            tx,
+            label_mask(label),
+            accepts[label],
+            f"partition[{label!r}]",
+            hash((id(param_labels), "partition", label)),
+        )
+        for label, tx in transforms.items()
+    }
 
     def init_fn(params: Params) -> PartitionState:
-        return PartitionState({label: t.init(params) for label, t in masks(params).items()})
+        return PartitionState({label: m.init(params) for label, m in members.items()})
 
     def update_fn(
         updates: Updates, state: PartitionState, params: Params | None = None, **extra: Any
@@ -409,12 +454,16 @@ def partition(
                 f"{sorted(map(repr, transforms))}, got {got}"
             )
         new_states = {}
-        for label, t in masks(params if params is not None else updates).items():
+        for label, m in members.items():
             a = accepts[label]
             mine = extra if a is None else {k: v for k, v in extra.items() if k in a}
-            updates, new_states[label] = t.update(
+            updates, new_states[label] = m.update(
                 updates, state.inner_states[label], params, **mine
             )
         return updates, PartitionState(new_states)
 
+    parts = list(members.values())
+    declare_fusable(update_fn, lambda: all(map(fusable, parts)))
+    declare_leafwise(update_fn, lambda: min(map(leafwise_level, parts)))
+    declare_member_labels(update_fn, lambda: parts)
     return GradientTransformation(init_fn, accepting(update_fn, accepted))
