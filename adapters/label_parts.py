@@ -67,12 +67,17 @@ class LabelParts:
 
     sharded = False  # (a group of DTensors is not split)
 
-    def __init__(self, parts: list[Part], orphans: Stages | None) -> None:
+    def __init__(self, parts: list[Part], orphans: Stages | None, shared: list[int]) -> None:
         self.parts = parts
         self.orphans = orphans
         """The labels under which the update of no param at all advances the counters of the
         masks that no param of the group is in (the whole group's update advances them too),
         or ``None`` when there are none to advance."""
+        self.shared = shared
+        """The positions of the state leaves that are not per parameter and that every part
+        (and the update of no param) changes, the same way: a counter outside the masks
+        (``inject_hyperparams``' step count). Each part must take them as they were before the
+        step (the first part's new values are every part's)."""
 
     @property
     def steps(self) -> int:
@@ -135,11 +140,11 @@ def label_parts(
     except Exception:  # (an update that cannot run on stand-ins: not split)
         return None
     parts: list[Part] = []
-    seen: set[int] = set()
+    runs: list[frozenset[int]] = []  # what each part changes (then the update of no param)
     for members in by_labels.values():
-        mine = [templates[i] for i in members]
-        names = set(mine[0])
-        if any(set(t) != names for t in mine):
+        entries = [templates[i] for i in members]
+        names = set(entries[0])
+        if any(set(t) != names for t in entries):
             return None
         part_slots = [
             (kind, name) if kind != "param" or name in names else ("none", "")
@@ -150,23 +155,22 @@ def label_parts(
             if not leafwise(tx):
                 return None
             try:
-                changed = _changed(
-                    tx,
-                    spec,
-                    part_slots,
-                    given,
-                    [stand_ins[i] for i in members],
-                    mine,
-                    slots_type,
+                runs.append(
+                    _changed(
+                        tx,
+                        spec,
+                        part_slots,
+                        given,
+                        [stand_ins[i] for i in members],
+                        entries,
+                        slots_type,
+                    )
                 )
             except Exception:
                 return None
-            if changed & seen:  # a counter two parts would advance
-                return None
-            seen |= changed
             group = make(
                 [params[i] for i in members],
-                templates_by_name(mine),
+                templates_by_name(entries),
                 part_slots,
                 [labels[i] for i in members],
             )
@@ -174,19 +178,22 @@ def label_parts(
     # the masks no param is in: their inner's update of no leaf, under those masks' flags only
     keys = [key for key, _ in labels[0]]
     unused = {key for key in keys if not any(dict(mine)[key] is True for mine in labels)}
-    orphans: Stages | None = tuple((key, key in unused) for key in keys)
-    with pinned(orphans):  # type: ignore[arg-type]
+    orphans: Stages = tuple((key, key in unused) for key in keys)
+    with pinned(orphans):
         try:
-            changed = _changed(tx, spec, slots, given, [], [], slots_type)
+            nothing = _changed(tx, spec, slots, given, [], [], slots_type)
         except Exception:
             return None
-    if changed & seen:
+    shared = frozenset.intersection(*runs, nothing)
+    if nothing - shared:
+        runs.append(nothing)
+    alone = [run - shared for run in runs]
+    # each leaf changed by every run (the same way: the transform is leafwise) or by one
+    if sum(map(len, alone)) != len(frozenset().union(*alone)):
         return None
-    if not changed:
-        orphans = None
-    if seen | changed != whole:
+    if shared.union(*alone) != whole:
         return None
-    return LabelParts(parts, orphans)
+    return LabelParts(parts, orphans if nothing - shared else None, sorted(shared))
 
 
 def _changed(

@@ -836,8 +836,9 @@ class TransformOptimizer(torch.optim.Optimizer):
         params: list[Tensor],
         grads: list[Tensor | None],
         group_state: Mapping[str, Tensor],
-    ) -> PackedGroup | None:
-        """The group's :class:`PackedGroup` when this step can run on it, else ``None``. A
+    ) -> PackedGroup | LabelParts | None:
+        """The group's :class:`PackedGroup` (or :class:`LabelParts`: see
+        :mod:`functional_opt.adapters.label_parts`) when this step can run on it, else ``None``. A
         group of ``DTensor`` params (FSDP2, HSDP) runs on it over its local shards. Every check
         gives the same answer on every rank (whole sizes, types, placements), so the ranks
         take the same path and issue the same collectives."""
@@ -950,12 +951,18 @@ class TransformOptimizer(torch.optim.Optimizer):
     ) -> None:
         ratio = 1.0 if self._base_lr is None else group["lr"] / self._base_lr
         if isinstance(engine, LabelParts):
-            if entries is None:
-                entries = list(map(self.state.__getitem__, params))
+            if entries is None:  # (a param of a label that keeps no state gets no entry)
+                entries = [self.state.get(p, {}) for p in params]
+            # each part's counters are its own; those every part advances (the same way), as
+            # they were before the step for each part (see label_parts)
+            shared = [group_state[layout.slots[j].name] for j in engine.shared]
+            before = [t.clone() for t in shared]
             if engine.orphans is not None:  # (the counters of masks no param is in)
                 with pinned(engine.orphans):
                     self._update_no_param(layout, group_state)
-            for part in engine.parts:  # (each part's counters are its own: see label_parts)
+            for k, part in enumerate(engine.parts):
+                if shared and (k > 0 or engine.orphans is not None):
+                    torch._foreach_copy_(shared, before)
                 with pinned(part.stages):
                     self._packed_update(
                         layout,

@@ -210,7 +210,7 @@ def inject_hyperparams(
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
             return updates, InjectHyperparamsState(safe_increment(state.count), values, inner_state)
 
-        declare_fusable(update_fn, fusable(probe))
+        declare_fusable(update_fn, lambda: fusable(probe))
         declare_leafwise(update_fn, lambda: leafwise_level(probe))
         declare_member_labels(update_fn, lambda: (probe,))
         return GradientTransformation(init_fn, accepting(update_fn, accepted))

@@ -1,0 +1,216 @@
+"""``partition`` (and ``masked`` around a transform that keeps state) on ``TransformOptimizer``'s
+engine: the group split into one packed part per label (``adapters/label_parts.py``), each
+stepped with its labels pinned, so that each label's state, counters included, is written by
+its own part only.
+
+Steps are compared with the per-tensor path by rule 2 of tests/README.md (compiled and eager
+code round the same math differently); counters and state structure must be equal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import ELEMENTWISE_OPS, assert_close_rounding, assert_same_steps_then_sync
+
+import functional_opt as fo
+from functional_opt.adapters import TransformOptimizer
+from functional_opt.adapters.label_parts import LabelParts
+
+# matrices (adam's label) and vectors (sgd's), a few of each large enough to be stepped alone
+SHAPES = [(40, 30), (30,), (6, 5), (5,), (6, 5), (5,), (3, 4), (7,), (20, 12), (300,), (4,)]
+SHAPES += [(9,)] * 6 + [(2, 3)] * 6
+
+
+def by_rank(params: Any) -> Any:
+    return fo.tree_map(lambda p: "adam" if p.ndim > 1 else "sgd", params)
+
+
+def aliases(learning_rate: float) -> fo.GradientTransformation:
+    """A factory: each label an alias with its own scale (adam's with its bias-correction
+    counter), under ``inject_hyperparams``' own step counter, which every part advances."""
+    return fo.partition(
+        {"adam": fo.adam(learning_rate), "sgd": fo.sgd(learning_rate, momentum=0.9)}, by_rank
+    )
+
+
+def matrices(params: Any) -> Any:
+    return fo.tree_map(lambda p: p.ndim > 1, params)
+
+
+def masked_adam(learning_rate: float) -> fo.GradientTransformation:
+    """Adam on the matrices; the vectors' updates pass through the mask (p += g). (The mask is
+    one object for every instance the factory makes, so its flags are the same labels.)"""
+    return fo.masked(fo.adam(learning_rate), matrices)
+
+
+MAKERS: dict[str, Callable[[list[torch.nn.Parameter]], TransformOptimizer]] = {
+    # ready-made (the bench's chain)
+    "chain-of-partition": lambda ps: TransformOptimizer(
+        ps,
+        fo.chain(
+            fo.partition({"adam": fo.scale_by_adam(), "sgd": fo.trace(0.9)}, by_rank),
+            fo.scale_by_learning_rate(1e-2),
+        ),
+    ),
+    "partition-of-aliases": lambda ps: TransformOptimizer(ps, aliases, lr=1e-2),
+    "masked-adam": lambda ps: TransformOptimizer(ps, masked_adam, lr=1e-2),
+}
+
+
+def _params(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _grads(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+
+
+def _lockstep(
+    make: Callable[[list[torch.nn.Parameter]], TransformOptimizer],
+    shapes: list[tuple[int, ...]],
+    steps: int = 5,
+) -> tuple[TransformOptimizer, TransformOptimizer, list[torch.nn.Parameter]]:
+    """``steps`` steps of the engine and of the per-tensor path on the same gradients (the lr
+    changed on the fourth), compared step by step; the params keep their storage."""
+    params, ref_params = _params(0, shapes), _params(0, shapes)
+    opt, ref = make(params), make(ref_params)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 250  # (the largest params stepped alone, the others packed)
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in params]
+    for step in range(steps):
+        if step == 3:
+            for o in (opt, ref):
+                o.param_groups[0]["lr"] = 5e-3
+        grads = _grads(10 + step, shapes)
+        before = [p.detach().clone() for p in ref_params]
+        for ps in (params, ref_params):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+        opt.step()
+        ref.step()
+        ops = ELEMENTWISE_OPS * (step + 1) + 2
+        assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
+    assert [p.data_ptr() for p in params] == ptrs
+    return opt, ref, params
+
+
+def _parts(opt: TransformOptimizer) -> LabelParts:
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert isinstance(engine, LabelParts)
+    return engine
+
+
+def _assert_same_state(opt: TransformOptimizer, ref: TransformOptimizer, steps: int) -> None:
+    """The same state entries for each param and the same counters; the moments within the
+    rounding of ``steps`` updates."""
+    got, want = opt.state_dict(), ref.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # (the counters, with the options)
+    assert got["state"].keys() == want["state"].keys()
+    for i, entries in want["state"].items():
+        assert got["state"][i].keys() == entries.keys()
+        for name, value in entries.items():
+            assert_close_rounding(
+                got["state"][i][name],
+                value,
+                dtype=torch.float32,
+                ops=ELEMENTWISE_OPS * steps,
+                scale=value.abs() + 1e-3,
+            )
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_each_label_steps_as_a_part_of_its_own_like_the_per_tensor_path(name: str) -> None:
+    """Lockstep with the per-tensor path: the group is stepped as two parts (matrices,
+    vectors), each on the engine (its large params alone, the others packed), with each
+    label's state on its own params only and each counter advanced once per step."""
+    opt, ref, params = _lockstep(MAKERS[name], SHAPES)
+    parts = _parts(opt)
+    matrices = [i for i, s in enumerate(SHAPES) if len(s) > 1]
+    vectors = [i for i, s in enumerate(SHAPES) if len(s) == 1]
+    assert sorted(part.members for part in parts.parts) == [matrices, vectors]
+    assert parts.orphans is None and parts.steps == 5
+    for part in parts.parts:
+        assert part.group.rest and (part.group.direct or part.members == vectors)
+    _assert_same_state(opt, ref, 5)
+    for i in matrices:  # each label's state on its params only: adam's moments ...
+        assert set(opt.state[params[i]]) <= {"mu", "nu"}
+    if name != "masked-adam":  # ... the momentum of sgd
+        for i in vectors:
+            assert set(opt.state[params[i]]) == {"trace"}
+
+
+def test_a_label_no_param_has_still_counts_its_steps() -> None:
+    """Vectors only: adam's part has no param, but the whole group's update advances its
+    counter over no leaf, so the engine's step does too (an update of no param, under adam's
+    flag alone), and the checkpoints are the same."""
+    shapes = [(9,)] * 8 + [(300,)]
+    opt, ref, _ = _lockstep(MAKERS["partition-of-aliases"], shapes, steps=3)
+    parts = _parts(opt)
+    assert len(parts.parts) == 1 and parts.orphans is not None
+    _assert_same_state(opt, ref, 3)
+    assert int(opt.param_groups[0]["transform_state"]["count"]) == 3
+
+
+def test_a_checkpoint_of_the_parts_loads_into_the_per_tensor_path_and_back() -> None:
+    """A checkpoint taken on the engine continues on the per-tensor path (and the other way)
+    with the same steps: the state in torch's layout, each param with its label's entries."""
+    opt, ref, params = _lockstep(MAKERS["partition-of-aliases"], SHAPES, steps=2)
+    ref.load_state_dict(opt.state_dict())  # (the per-tensor path takes the engine's state)
+    opt.load_state_dict(ref.state_dict())  # (and the engine adopts it into its buffers)
+    ref_params = [p for p in ref.param_groups[0]["params"]]
+    with torch.no_grad():
+        for p, q in zip(ref_params, params, strict=True):
+            p.copy_(q)
+    before = [p.detach().clone() for p in params]
+    grads = _grads(99, SHAPES)
+    for ps, o in ((params, opt), (ref_params, ref)):
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = g.clone()
+        o.step()
+    assert_same_steps_then_sync(list(params), ref_params, before, ELEMENTWISE_OPS * 3 + 2)
+    _assert_same_state(opt, ref, 3)
+
+
+def clip_then_partition(learning_rate: float) -> fo.GradientTransformation:
+    """A global norm over all leaves: a part would take it over its own leaves."""
+    return fo.chain(
+        fo.clip_by_global_norm(1.0),
+        fo.partition({"adam": fo.adam(learning_rate), "sgd": fo.sgd(learning_rate)}, by_rank),
+    )
+
+
+def clip_inside_a_label(learning_rate: float) -> fo.GradientTransformation:
+    """A reduction within a label (over its leaves): not split either (not leafwise)."""
+    return fo.partition(
+        {
+            "adam": fo.chain(fo.clip_by_global_norm(1.0), fo.adam(learning_rate)),
+            "sgd": fo.sgd(learning_rate),
+        },
+        by_rank,
+    )
+
+
+@pytest.mark.parametrize("factory", [clip_then_partition, clip_inside_a_label])
+def test_groups_the_parts_would_step_otherwise_stay_per_tensor(factory: Any) -> None:
+    """Where the parts' updates might not be the whole group's (a reduction over leaves), the
+    group keeps the per-tensor path, with its usual results."""
+    params, ref_params = _params(0, SHAPES), _params(0, SHAPES)
+    opt = TransformOptimizer(params, factory, lr=1e-2)
+    ref = TransformOptimizer(ref_params, factory, lr=1e-2)
+    opt.fused_min_numel = 0
+    ref.fused_steps = False
+    for step in range(2):
+        grads = _grads(step, SHAPES)
+        for ps, o in ((params, opt), (ref_params, ref)):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+            o.step()
+    assert opt._layouts[0].engine is False  # type: ignore[union-attr]
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
