@@ -903,7 +903,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         self, layout: _Layout, params: list[Tensor], group_state: Mapping[str, Tensor]
     ) -> LabelParts | None:
         """The group as parts of one label each (see
-        :mod:`functional_opt.adapters.label_parts`), or ``None``."""
+        :mod:`functional_opt.adapters.label_parts`), or ``None``: plain tensors only (a group of
+        ``DTensor``s is not split)."""
+        if any(type(p) not in _lists._PLAIN for p in params):
+            return None
         slots = [(slot.kind, slot.name) for slot in layout.slots]
 
         def make(
