@@ -159,7 +159,8 @@ def test_a_label_no_param_has_still_counts_its_steps() -> None:
 
 def test_a_checkpoint_of_the_parts_loads_into_the_per_tensor_path_and_back() -> None:
     """A checkpoint taken on the engine continues on the per-tensor path (and the other way)
-    with the same steps: the state in torch's layout, each param with its label's entries."""
+    with the same steps, the lr then changed: the state in torch's layout, each param with its
+    label's entries."""
     opt, ref, params = _lockstep(MAKERS["chain-of-partition"], SHAPES, steps=2)
     assert sorted(len(part.members) for part in _parts(opt).parts) == [11, 12]
     ref.load_state_dict(opt.state_dict())  # (the per-tensor path takes the engine's state)
@@ -168,6 +169,8 @@ def test_a_checkpoint_of_the_parts_loads_into_the_per_tensor_path_and_back() -> 
     with torch.no_grad():
         for p, q in zip(ref_params, params, strict=True):
             p.copy_(q)
+    for o in (opt, ref):  # (the ready-made chain's lr as a ratio to the one it was built with)
+        o.param_groups[0]["lr"] = 5e-3
     before = [p.detach().clone() for p in params]
     grads = _grads(99, SHAPES)
     for ps, o in ((params, opt), (ref_params, ref)):
