@@ -45,11 +45,13 @@ from functional_opt.base import (
     declare_step_size,
     extra_keywords,
     fusable,
+    has_leaf_labels,
     inner_step_size,
     staged,
     stages,
 )
 from functional_opt.packed import Packed
+from functional_opt.plain_label_parts import PlainLabelParts
 from functional_opt.plain_trees import PlainTreeStep
 
 __all__ = ["Runner", "fused", "fused_step"]
@@ -303,7 +305,11 @@ def fused_step(
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
-    plain = PlainTreeStep(tx, runner) if fusable(tx) else None
+    plain: PlainTreeStep | PlainLabelParts | None = None
+    if fusable(tx):
+        plain = PlainTreeStep(tx, runner)
+    elif has_leaf_labels(tx):  # (partition: a plain-tree step per label)
+        plain = PlainLabelParts(tx, lambda: Runner(tx))
 
     def step(params: Packed, grads: Packed, state: OptState) -> tuple[Packed, OptState]:
         buffers = params.buffers if _buffered(params) else None

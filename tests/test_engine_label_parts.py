@@ -16,6 +16,7 @@ import torch
 from conftest import ELEMENTWISE_OPS, assert_close_rounding, assert_same_steps_then_sync
 
 import functional_opt as fo
+from functional_opt import plain_trees
 from functional_opt.adapters import TransformOptimizer
 from functional_opt.adapters.label_parts import LabelParts
 
@@ -218,3 +219,70 @@ def test_groups_the_parts_would_step_otherwise_stay_per_tensor(factory: Any) -> 
     assert opt._layouts[0].engine is False  # type: ignore[union-attr]
     for p, q in zip(params, ref_params, strict=True):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------- pure API
+PURE: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "partition": lambda: fo.chain(
+        fo.partition({"adam": fo.scale_by_adam(), "sgd": fo.trace(0.9)}, by_rank),
+        fo.scale_by_learning_rate(1e-2),
+    ),
+    # inject_hyperparams' step count, which every part advances
+    "injected-aliases": lambda: fo.inject_hyperparams(aliases)(learning_rate=1e-2),
+    "masked-adam": lambda: masked_adam(1e-2),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "shapes"),
+    [
+        ("partition", [*SHAPES, (300, 120)]),  # (the last one large: stepped alone)
+        ("injected-aliases", SHAPES),
+        ("masked-adam", SHAPES),
+        ("injected-aliases", [(9,)] * 8),  # (no matrix: adam's counter by an update of no leaf)
+    ],
+    ids=["partition", "injected-aliases", "masked-adam", "vectors-only"],
+)
+def test_fused_step_over_a_plain_tree_steps_each_label_as_a_part(
+    name: str, shapes: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fo.fused_step`` of such a transform over a plain list: one plain-tree step per set of
+    labels (compiled, in place) instead of the transform's own eager update; 4 steps equal to
+    ``update`` + ``apply_updates`` within rounding, the state of the same structure (each
+    label's entries at its leaves, ``None`` elsewhere) and the same counters."""
+    calls: list[int] = []
+    original = plain_trees.PlainTreeStep.__call__
+
+    def counted(self: Any, *args: Any) -> Any:
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(plain_trees.PlainTreeStep, "__call__", counted)
+    tx = PURE[name]()
+    step = fo.fused_step(tx)
+    params = [p.detach() for p in _params(0, shapes)]
+    ref = [p.clone() for p in params]
+    state, ref_state = tx.init(params), tx.init(ref)
+    for t in range(4):
+        grads = _grads(20 + t, shapes)
+        before = [p.clone() for p in ref]
+        params, state = step(params, [g.clone() for g in grads], state)
+        updates, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    parts = 1 if len(shapes) == 8 else 2  # (matrices and vectors, or vectors only)
+    assert calls == [True] * 4 * parts  # (each part's plain-tree step, none refused)
+    got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if value.dtype in (torch.int32, torch.int64):
+            assert torch.equal(got[key], value), key
+        else:
+            assert_close_rounding(
+                got[key],
+                value,
+                dtype=torch.float32,
+                ops=ELEMENTWISE_OPS * 4,
+                scale=value.abs() + 1e-3,
+            )
