@@ -300,8 +300,11 @@ def fused_step(
     own storage, with one compiled call of its update of that leaf
     (:mod:`functional_opt.leaf_step`), and the other leaves are staged: copied into packed
     buffers, stepped by the compiled graph, and the params copied back; the returned state
-    holds the staged leaves' entries as views of buffers the next step reuses. Other trees run
-    ``tx.update`` and ``apply_updates`` as they are."""
+    holds the staged leaves' entries as views of buffers the next step reuses. A ``partition``
+    (or ``masked`` of a stateful transform), not fusable over a whole tree, is stepped over a
+    plain tree as one such step per set of labels
+    (:mod:`functional_opt.plain_label_parts`). Other trees run ``tx.update`` and
+    ``apply_updates`` as they are."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
