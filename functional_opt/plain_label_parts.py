@@ -31,6 +31,7 @@ from functional_opt.base import (
     OptState,
     Stages,
     apply_updates,
+    extra_keywords,
     fusable,
     has_leaf_labels,
     leaf_labels,
@@ -86,9 +87,9 @@ class PlainLabelParts:
                 if new_sub is None:
                     if k == 0 and mine:
                         return None  # (nothing written yet: the transform's own update)
-                    updates, new_sub = self.tx.update(
-                        sub_grads, sub_state, sub_params, **{DONATE: True}
-                    )
+                    accepted = extra_keywords(self.tx)
+                    donate = {DONATE: True} if accepted is None or DONATE in accepted else {}
+                    updates, new_sub = self.tx.update(sub_grads, sub_state, sub_params, **donate)
                     apply_updates(sub_params, updates, donate=True)
             sub_outer, sub_spec, sub_per = _split(new_sub, _list_spec(len(mine)), list, len(mine))
             if sub_spec != outer_spec:

@@ -233,6 +233,21 @@ PURE: dict[str, Callable[[], fo.GradientTransformation]] = {
 }
 
 
+@pytest.fixture
+def plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of a plain-tree step stepped its tree (``False``: it refused)."""
+    calls: list[bool] = []
+    original = plain_trees.PlainTreeStep.__call__
+
+    def counted(self: Any, *args: Any) -> Any:
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(plain_trees.PlainTreeStep, "__call__", counted)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("name", "shapes"),
     [
@@ -244,21 +259,13 @@ PURE: dict[str, Callable[[], fo.GradientTransformation]] = {
     ids=["partition", "injected-aliases", "masked-adam", "vectors-only"],
 )
 def test_fused_step_over_a_plain_tree_steps_each_label_as_a_part(
-    name: str, shapes: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+    name: str, shapes: list[tuple[int, ...]], plain_calls: list[bool]
 ) -> None:
     """``fo.fused_step`` of such a transform over a plain list: one plain-tree step per set of
     labels (compiled, in place) instead of the transform's own eager update; 4 steps equal to
     ``update`` + ``apply_updates`` within rounding, the state of the same structure (each
     label's entries at its leaves, ``None`` elsewhere) and the same counters."""
-    calls: list[int] = []
-    original = plain_trees.PlainTreeStep.__call__
-
-    def counted(self: Any, *args: Any) -> Any:
-        out = original(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(plain_trees.PlainTreeStep, "__call__", counted)
+    calls = plain_calls
     tx = PURE[name]()
     step = fo.fused_step(tx)
     params = [p.detach() for p in _params(0, shapes)]
@@ -286,3 +293,26 @@ def test_fused_step_over_a_plain_tree_steps_each_label_as_a_part(
                 ops=ELEMENTWISE_OPS * 4,
                 scale=value.abs() + 1e-3,
             )
+
+
+def test_a_part_the_plain_tree_step_refuses_runs_its_own_update(plain_calls: list[bool]) -> None:
+    """A part refused after another was stepped (here: a large vector whose gradient is not
+    contiguous, which the plain-tree step does not read in place) runs the transform's eager
+    update under its flags: the same steps as ``update`` + ``apply_updates``."""
+    shapes = [(40, 30), (30,), (6, 5), (40000,)]
+    tx = PURE["injected-aliases"]()
+    step = fo.fused_step(tx)
+    params = [p.detach() for p in _params(0, shapes)]
+    ref = [p.clone() for p in params]
+    state, ref_state = tx.init(params), tx.init(ref)
+    for t in range(2):
+        grads = _grads(30 + t, shapes)
+        grads[3] = torch.stack([grads[3], grads[3]], dim=1)[:, 0]  # (a strided view)
+        assert not grads[3].is_contiguous()
+        before = [p.clone() for p in ref]
+        params, state = step(params, grads, state)
+        updates, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    assert plain_calls == [True, False] * 2  # (the matrices stepped, the vectors refused)
+    assert torch.equal(fo.state_to_dict(state)["count"], fo.state_to_dict(ref_state)["count"])
