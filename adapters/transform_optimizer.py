@@ -863,17 +863,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                 templates = templates_by_name(layout.param_template)
                 slots = [(slot.kind, slot.name) for slot in layout.slots]
                 if shards is None:
-                    layout.engine = PackedGroup(
-                        params,
-                        templates,
-                        layout.tx,
-                        ParamSlots,
-                        layout.spec,
-                        slots,
-                        direct_min=self.direct_min_numel,
-                        direct_rest_max=self.direct_rest_max,
-                        upcast=self.upcast_16bit_grads,
-                    )
+                    layout.engine = self._packed_group(layout, params, templates, slots)
                 else:
                     outer = _outer_state(layout, group_state, lambda name: None)
                     given = [x for x, (kind, _) in zip(outer, slots, strict=True) if kind in GIVEN]
@@ -899,6 +889,28 @@ class TransformOptimizer(torch.optim.Optimizer):
             return None
         return engine
 
+    def _packed_group(
+        self,
+        layout: _Layout,
+        params: list[Tensor],
+        templates: dict[str, list[Tensor]],
+        slots: list[tuple[str, str]],
+        labels: list[Stages] | None = None,
+    ) -> PackedGroup:
+        """A :class:`PackedGroup` of plain ``params`` with this optimizer's options."""
+        return PackedGroup(
+            params,
+            templates,
+            layout.tx,
+            ParamSlots,
+            layout.spec,
+            slots,
+            direct_min=self.direct_min_numel,
+            direct_rest_max=self.direct_rest_max,
+            upcast=self.upcast_16bit_grads,
+            labels=labels,
+        )
+
     def _label_parts(
         self, layout: _Layout, params: list[Tensor], group_state: Mapping[str, Tensor]
     ) -> LabelParts | None:
@@ -915,18 +927,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             part_slots: list[tuple[str, str]],
             labels: list[Stages],
         ) -> PackedGroup:
-            return PackedGroup(
-                mine,
-                templates,
-                layout.tx,
-                ParamSlots,
-                layout.spec,
-                part_slots,
-                direct_min=self.direct_min_numel,
-                direct_rest_max=self.direct_rest_max,
-                upcast=self.upcast_16bit_grads,
-                labels=labels,
-            )
+            return self._packed_group(layout, mine, templates, part_slots, labels)
 
         try:
             return label_parts(

@@ -233,6 +233,29 @@ PURE: dict[str, Callable[[], fo.GradientTransformation]] = {
 }
 
 
+def _pure_lockstep(
+    tx: fo.GradientTransformation,
+    shapes: list[tuple[int, ...]],
+    steps: int,
+    adapt: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+) -> tuple[Any, Any]:
+    """``steps`` steps of ``fo.fused_step(tx)`` over a plain list (its gradients ``adapt``-ed)
+    and of ``update`` + ``apply_updates`` on the same gradients, compared step by step; the
+    two final states."""
+    step = fo.fused_step(tx)
+    params = [p.detach() for p in _params(0, shapes)]
+    ref = [p.clone() for p in params]
+    state, ref_state = tx.init(params), tx.init(ref)
+    for t in range(steps):
+        grads = _grads(20 + t, shapes)
+        before = [p.clone() for p in ref]
+        params, state = step(params, adapt([g.clone() for g in grads]), state)
+        updates, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    return state, ref_state
+
+
 @pytest.fixture
 def plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each call of a plain-tree step stepped its tree (``False``: it refused)."""
@@ -265,21 +288,9 @@ def test_fused_step_over_a_plain_tree_steps_each_label_as_a_part(
     labels (compiled, in place) instead of the transform's own eager update; 4 steps equal to
     ``update`` + ``apply_updates`` within rounding, the state of the same structure (each
     label's entries at its leaves, ``None`` elsewhere) and the same counters."""
-    calls = plain_calls
-    tx = PURE[name]()
-    step = fo.fused_step(tx)
-    params = [p.detach() for p in _params(0, shapes)]
-    ref = [p.clone() for p in params]
-    state, ref_state = tx.init(params), tx.init(ref)
-    for t in range(4):
-        grads = _grads(20 + t, shapes)
-        before = [p.clone() for p in ref]
-        params, state = step(params, [g.clone() for g in grads], state)
-        updates, ref_state = tx.update(grads, ref_state, ref)
-        ref = fo.apply_updates(ref, updates)
-        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    state, ref_state = _pure_lockstep(PURE[name](), shapes, 4, lambda grads: grads)
     parts = 1 if len(shapes) == 8 else 2  # (matrices and vectors, or vectors only)
-    assert calls == [True] * 4 * parts  # (each part's plain-tree step, none refused)
+    assert plain_calls == [True] * 4 * parts  # (each part's plain-tree step, none refused)
     got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -300,19 +311,12 @@ def test_a_part_the_plain_tree_step_refuses_runs_its_own_update(plain_calls: lis
     contiguous, which the plain-tree step does not read in place) runs the transform's eager
     update under its flags: the same steps as ``update`` + ``apply_updates``."""
     shapes = [(40, 30), (30,), (6, 5), (40000,)]
-    tx = PURE["injected-aliases"]()
-    step = fo.fused_step(tx)
-    params = [p.detach() for p in _params(0, shapes)]
-    ref = [p.clone() for p in params]
-    state, ref_state = tx.init(params), tx.init(ref)
-    for t in range(2):
-        grads = _grads(30 + t, shapes)
+
+    def strided(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         grads[3] = torch.stack([grads[3], grads[3]], dim=1)[:, 0]  # (a strided view)
         assert not grads[3].is_contiguous()
-        before = [p.clone() for p in ref]
-        params, state = step(params, grads, state)
-        updates, ref_state = tx.update(grads, ref_state, ref)
-        ref = fo.apply_updates(ref, updates)
-        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+        return grads
+
+    state, ref_state = _pure_lockstep(PURE["injected-aliases"](), shapes, 2, strided)
     assert plain_calls == [True, False] * 2  # (the matrices stepped, the vectors refused)
     assert torch.equal(fo.state_to_dict(state)["count"], fo.state_to_dict(ref_state)["count"])
