@@ -47,8 +47,10 @@ Second CPU code path
 (``Makefile``): ATen's eager kernels and inductor's generated C++ then use another vector ISA,
 so a tolerance tuned to one machine's rounding fails on the developer's machine too. Inductor's
 on-disk cache does not key its compiled graphs by that ISA (a graph compiled for AVX-512 and
-loaded under ``ATEN_CPU_CAPABILITY=avx2`` computes garbage), so this file gives each
-capability a cache directory of its own.
+loaded under ``ATEN_CPU_CAPABILITY=avx2`` computes garbage, and its precompiled header for one
+ISA fails to compile kernels for another), so this file gives each capability a cache
+directory of its own: a subdirectory of ``TORCHINDUCTOR_CACHE_DIR`` where that is set (a CI
+that keeps inductor's cache between runs), else one beside inductor's default.
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ from collections.abc import Callable, Sequence
 import pytest
 
 _CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+if _CAPABILITY:
     # (before anything compiles: inductor reads the variable whenever it looks for its cache)
+    _given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     _user = os.environ.get("USER") or str(os.getuid())
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{_user}_{_CAPABILITY}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
+        os.path.join(_given, f"capability_{_CAPABILITY}")
+        if _given
+        else os.path.join(tempfile.gettempdir(), f"torchinductor_{_user}_{_CAPABILITY}")
     )
 
 import torch  # noqa: E402  (after the cache directory is chosen)
