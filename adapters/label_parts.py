@@ -19,8 +19,10 @@ stand-ins (meta tensors): the transform treats every leaf on its own (no reducti
 leaves, such as a global norm, which a part would take over its own leaves only); within a
 part every param keeps the same state entries; and the state leaves that are not per parameter
 (counters) that the parts change are, together, those the whole group's update changes, each
-changed by one part only (a counter outside the masks, which every part would advance, keeps
-the group on the per-tensor path).
+changed by one part only (a label's) or by every part the same way (a counter outside the
+masks, such as ``inject_hyperparams``' step count: each part then takes it as it was before
+the step, see :attr:`LabelParts.shared`). The counters of masks no param is in advance by an
+update of no param under their flags alone (:attr:`LabelParts.orphans`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ another was stepped) runs its update eagerly under its flags and adds it into it
 
 from __future__ import annotations
 
+import operator
 from typing import Any, cast
 
 import optree
@@ -54,7 +55,11 @@ class PlainLabelParts:
         self.tx = tx
         self.make_runner = make_runner
         self.plans: dict[Any, tuple[list[tuple[list[int], Stages]], dict[int, int]] | None] = {}
-        """By the structure of the params and the state: what :meth:`_plan` found."""
+        """By the structure of the params and the state and the leaves' labels: what
+        :meth:`_plan` found."""
+        self.labelled: tuple[list[Tensor], Any, list[Stages] | None] | None = None
+        """The params last labelled, their structure and their labels (read again for other
+        params: a mask may read their shapes)."""
         self.steps: dict[Stages, PlainTreeStep] = {}
         """Each part's plain-tree step (its compiled kernels and staging buffers), by labels."""
 
@@ -121,16 +126,13 @@ class PlainLabelParts:
         needed) and, per state leaf that is not per parameter and that the update changes, the
         run whose value it takes; ``None``: not split (see the module). Found once per
         structure of the params and the state."""
-        key = (spec, outer_spec)
+        labels = self._labels(params, spec)
+        if not labels:
+            return None
+        key = (spec, outer_spec, tuple(labels))
         if key in self.plans:
             return self.plans[key]
         self.plans[key] = None
-        try:
-            labels = leaf_labels(self.tx, params) if has_leaf_labels(self.tx) else None
-        except ValueError:
-            labels = None
-        if not labels:
-            return None
         by_labels: dict[Stages, list[int]] = {}
         for i, leaf_stages in enumerate(labels):
             by_labels.setdefault(leaf_stages, []).append(i)
@@ -163,6 +165,23 @@ class PlainLabelParts:
             return None
         self.plans[key] = (runs, owners)
         return self.plans[key]
+
+    def _labels(self, params: Any, spec: Any) -> list[Stages] | None:
+        """Each leaf's labels, read once for the same params (the same tensors)."""
+        ps = optree.tree_leaves(params, none_is_leaf=True, namespace=tree.NAMESPACE)
+        known = self.labelled
+        if (
+            known is None
+            or known[1] != spec
+            or len(known[0]) != len(ps)
+            or not all(map(operator.is_, known[0], ps))
+        ):
+            try:
+                labels = leaf_labels(self.tx, params) if has_leaf_labels(self.tx) else None
+            except ValueError:
+                labels = None
+            known = self.labelled = (ps, spec, labels)
+        return known[2]
 
 
 def _meta(x: Any) -> Any:

@@ -320,3 +320,20 @@ def test_a_part_the_plain_tree_step_refuses_runs_its_own_update(plain_calls: lis
     state, ref_state = _pure_lockstep(PURE["injected-aliases"](), shapes, 2, strided)
     assert plain_calls == [True, False] * 2  # (the matrices stepped, the vectors refused)
     assert torch.equal(fo.state_to_dict(state)["count"], fo.state_to_dict(ref_state)["count"])
+
+
+def test_new_params_of_one_structure_are_labelled_afresh() -> None:
+    """The parts are found for the params given: another list of the same length whose leaves
+    are labelled otherwise (a matrix where a vector was) is split by its own labels, not by
+    those of the list stepped before."""
+    tx = PURE["partition"]()
+    step = fo.fused_step(tx)
+    for shapes in ([(40, 30), (30,), (6, 5), (5,)], [(30,), (40, 30), (5,), (6, 5)]):
+        params = [p.detach() for p in _params(0, shapes)]
+        ref = [p.clone() for p in params]
+        state, ref_state = tx.init(params), tx.init(ref)
+        grads = _grads(40, shapes)
+        params, state = step(params, [g.clone() for g in grads], state)
+        updates, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        assert_same_steps_then_sync(params, ref, [p.detach() for p in _params(0, shapes)], 4)
