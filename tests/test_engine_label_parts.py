@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ELEMENTWISE_OPS, assert_close_rounding, assert_same_steps_then_sync
+from conftest import (
+    ELEMENTWISE_OPS,
+    assert_close_rounding,
+    assert_same_steps_then_sync,
+    step_with_grads,
+)
 
 import functional_opt as fo
 from functional_opt import plain_trees
@@ -90,11 +95,7 @@ def _lockstep(
                 o.param_groups[0]["lr"] = 5e-3
         grads = _grads(10 + step, shapes)
         before = [p.detach().clone() for p in ref_params]
-        for ps in (params, ref_params):
-            for p, g in zip(ps, grads, strict=True):
-                p.grad = g.clone()
-        opt.step()
-        ref.step()
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
         ops = ELEMENTWISE_OPS * (step + 1) + 2
         assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
     assert [p.data_ptr() for p in params] == ptrs
@@ -174,10 +175,7 @@ def test_a_checkpoint_of_the_parts_loads_into_the_per_tensor_path_and_back() -> 
         o.param_groups[0]["lr"] = 5e-3
     before = [p.detach().clone() for p in params]
     grads = _grads(99, SHAPES)
-    for ps, o in ((params, opt), (ref_params, ref)):
-        for p, g in zip(ps, grads, strict=True):
-            p.grad = g.clone()
-        o.step()
+    step_with_grads([(params, opt), (ref_params, ref)], grads)
     assert_same_steps_then_sync(list(params), ref_params, before, ELEMENTWISE_OPS * 3 + 2)
     _assert_same_state(opt, ref, 3)
 
@@ -212,10 +210,7 @@ def test_groups_the_parts_would_step_otherwise_stay_per_tensor(factory: Any) -> 
     ref.fused_steps = False
     for step in range(2):
         grads = _grads(step, SHAPES)
-        for ps, o in ((params, opt), (ref_params, ref)):
-            for p, g in zip(ps, grads, strict=True):
-                p.grad = g.clone()
-            o.step()
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
     assert opt._layouts[0].engine is False  # type: ignore[union-attr]
     for p, q in zip(params, ref_params, strict=True):
         assert torch.equal(p, q)
