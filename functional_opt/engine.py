@@ -229,6 +229,9 @@ class Runner:
             ("apply", targets is None, whole, copy),
             ("stages", found),
             ("across", partials, None if totals is None else len(totals)),
+            # (a call without params, such as a probe of whether the transform reads them,
+            # must not reach a graph traced with them: its guard would trace again, uncaught)
+            ("params", params is None),
         )
         group = _lists.sharded_group()
         if group is not None:  # the reductions sum over its ranks (_lists.sharded_reductions)
@@ -254,9 +257,9 @@ class Runner:
                 return step(*args)
         except torch._dynamo.exc.TorchDynamoException as err:
             # (raised while tracing or compiling, before the compiled code ran)
+            del self.steps[key]  # (first: after a user error the next call compiles afresh)
             out = self._eager(partials, extra, *args)  # a user error surfaces here
             self.failed.add(key)
-            del self.steps[key]
             warnings.warn(
                 f"fused: torch.compile failed ({type(err).__name__}: {str(err)[:300]}); this "
                 "transform's update runs eagerly",

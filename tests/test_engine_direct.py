@@ -578,6 +578,21 @@ def test_fused_step_over_a_plain_tree_stages_every_leaf_without_a_large_one(
     assert all(a is b for a, b in zip(seen[0], seen[1], strict=True))
 
 
+def test_two_fused_steps_of_one_transform_both_step() -> None:
+    """``dreamerv3()`` keeps one engine runner for all its uses. The first step of a second
+    ``fused_step`` of it probes, without params, whether the transform reads them; that probe
+    used to reach the graph the first ``fused_step`` had compiled with params, whose guard
+    traced it again and raised an uncaught dynamo error. Both steps now agree."""
+    tx = fo.dreamerv3(1e-2, warmup=0)
+    results = []
+    for _ in range(2):
+        params = _plain(1)
+        state = tx.init(params)
+        params, state = fo.fused_step(tx)(params, _plain(20), state)
+        results.append(tree.leaves(params))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(NOT_LEAFWISE))
 def test_fused_step_stages_a_transform_that_is_not_leafwise(name: str) -> None:
