@@ -50,6 +50,7 @@ from functional_opt.base import (
     staged,
     stages,
 )
+from functional_opt.compiled_step import Opaque
 from functional_opt.packed import Packed
 from functional_opt.plain_label_parts import PlainLabelParts
 from functional_opt.plain_trees import PlainTreeStep
@@ -307,7 +308,13 @@ def fused_step(
     (or ``masked`` of a stateful transform), not fusable over a whole tree, is stepped over a
     plain tree as one such step per set of labels
     (:mod:`functional_opt.plain_label_parts`). Other trees run ``tx.update`` and
-    ``apply_updates`` as they are."""
+    ``apply_updates`` as they are.
+
+    Called inside a function that ``torch.compile`` traces, the step over a plain tree (a
+    ``list``, ``tuple`` or ``dict`` of tensors) is one op of the graph, which runs this same
+    step when the compiled code runs (:mod:`functional_opt.compiled_step`): compiling a
+    training step costs seconds instead of minutes, and its results are those of the step
+    called outside ``torch.compile``, bit for bit."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
@@ -316,8 +323,14 @@ def fused_step(
         plain = PlainTreeStep(tx, runner)
     elif has_leaf_labels(tx):  # (partition: a plain-tree step per label)
         plain = PlainLabelParts(tx, lambda: Runner(tx))
+    # (inside a user's torch.compile: the step over a plain tree as one op of the graph)
+    opaque = None if plain is None else Opaque(tx, plain)
 
     def step(params: Packed, grads: Packed, state: OptState) -> tuple[Packed, OptState]:
+        if opaque is not None and torch.compiler.is_compiling() and not _buffered(params):
+            routed = opaque.call(params, grads, state)
+            if routed is not None:
+                return routed
         buffers = params.buffers if _buffered(params) else None
         if buffers is None and plain is not None:
             new_state = plain(params, grads, state)

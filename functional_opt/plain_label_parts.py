@@ -28,6 +28,7 @@ from torch import Tensor
 from functional_opt import tree
 from functional_opt.base import (
     DONATE,
+    STATE_ONLY,
     GradientTransformation,
     OptState,
     Stages,
@@ -93,7 +94,9 @@ class PlainLabelParts:
                     if k == 0 and mine:
                         return None  # (nothing written yet: the transform's own update)
                     accepted = extra_keywords(self.tx)
-                    donate = {DONATE: True} if accepted is None or DONATE in accepted else {}
+                    # (the state only: a plain-tree step reads the gradients, never writes them)
+                    ok = accepted is None or DONATE in accepted
+                    donate = {DONATE: STATE_ONLY} if ok else {}
                     updates, new_sub = self.tx.update(sub_grads, sub_state, sub_params, **donate)
                     apply_updates(sub_params, updates, donate=True)
             sub_outer, sub_spec, sub_per = _split(new_sub, _list_spec(len(mine)), list, len(mine))

@@ -1,0 +1,211 @@
+""":func:`functional_opt.fused_step` inside a user's ``torch.compile``: the step as one opaque op.
+
+Traced inline, a transform's update over a plain tree is a handful of ops *per leaf*: a
+DreamerV3 step over 120 tensors is about 3600 ops, which took dynamo and inductor 82 s to
+compile with an empty cache (and never finished for 2000 tensors). The engine already runs that
+step over plain trees (:mod:`functional_opt.plain_trees`) with a few kernels compiled once per
+process with dynamic shapes. So while ``torch.compile`` traces a ``fused_step`` over a plain
+tree, the step goes into the graph as one op, ``functional_opt::fused_step``, which mutates the
+params, gradients and state it is given (as ``torch.optim``'s fused Adam is one op in a compiled
+graph); when the compiled code runs, the op runs the engine's step on the real tensors and
+writes the new params and state into them. The result is the same, bit for bit, as calling the
+``fused_step`` outside ``torch.compile``. The gradients are read, never written (where the engine
+refuses a tree, the op runs the transform's update with only the state donated).
+
+A custom op's arguments are tensors, lists and numbers, not Python objects, so the op names its
+step by a number (:class:`Opaque`, made once per ``fused_step``, held by the compiled code's
+closure; the table here holds only weak references), names the params by their keys, and
+rebuilds the state's structure, when the op runs, from ``tx.init`` of the params on the
+``meta`` device (no memory). The op is taken when the params are a ``list``, ``tuple`` or
+``dict`` (string keys) of plain tensors, the gradients have the same keys, the state's leaves
+are tensors or ``None``, autograd records none of the tensors, and no ``torch.func`` transform
+is being traced; other steps are traced inline, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from functional_opt import tree
+from functional_opt.base import STATE_ONLY, GradientTransformation, OptState, apply_updates
+
+__all__ = ["Opaque"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_SEQUENCE, _TUPLE, _DICT = 0, 1, 2
+
+_STEPS: dict[int, weakref.ref[Opaque]] = {}
+"""The live :class:`Opaque` steps by number (weak: an entry goes with its step)."""
+_NUMBERS = itertools.count()
+
+
+class Opaque:
+    """One ``fused_step``'s route into compiled graphs: ``call(params, grads, state)`` (made
+    while ``torch.compile`` traces) puts the op in the graph and returns ``(params, state)``,
+    or returns ``None`` where the step is traced inline."""
+
+    def __init__(
+        self, tx: GradientTransformation, plain: Callable[[Any, Any, OptState], OptState | None]
+    ) -> None:
+        self.tx = tx
+        self.plain = plain
+        """The engine's step over a plain tree (params written in place), ``None`` where it
+        does not apply."""
+        self.number = next(_NUMBERS)
+        self.specs: dict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = {}
+        """The state's structure per params' keys, shapes and dtypes: (spec, ``None`` leaves)."""
+        _STEPS[self.number] = weakref.ref(self, _forget(self.number))
+
+    def call(self, params: Any, grads: Any, state: OptState) -> tuple[Any, OptState] | None:
+        """While tracing: the op over the flattened trees, or ``None`` (trace inline)."""
+        kind, keys = _kind(params)
+        if kind is None or _kind(grads) != (kind, keys):
+            return None
+        ps = _values(params, keys)
+        gs = _values(grads, keys)
+        leaves = optree.tree_leaves(state, none_is_leaf=True, namespace=tree.NAMESPACE)
+        if not all(x is None or _plain(x) for x in leaves):
+            return None
+        ss = [x for x in leaves if x is not None]
+        if not all(_plain(x) for x in (*ps, *gs)) or (
+            torch.is_grad_enabled() and any(x.requires_grad for x in (*ps, *gs, *ss))
+        ):
+            return None
+        if not isinstance(torch._C._functorch.peek_interpreter_stack(), type(None)):
+            return None  # (a torch.func transform; dynamo traces ``is None`` of it wrongly)
+        nones = [i for i, x in enumerate(leaves) if x is None]
+        torch.ops.functional_opt.fused_step(ps, gs, ss, nones, kind, keys, self.number)
+        return params, state
+
+    def run(
+        self,
+        ps: list[Tensor],
+        gs: list[Tensor],
+        ss: list[Tensor],
+        nones: list[int],
+        kind: int,
+        keys: list[str],
+    ) -> None:
+        """The op's body: the step on the real tensors, its results written into them."""
+        params, grads = _rebuilt(kind, keys, ps), _rebuilt(kind, keys, gs)
+        spec, init_nones = self._spec(params, kind, keys, ps)
+        if list(init_nones) != list(nones) or spec.num_leaves != len(ss) + len(nones):
+            raise RuntimeError(
+                "fused_step under torch.compile: the state does not have the structure of "
+                "tx.init(params) (its leaves, or where they are None, differ)"
+            )
+        full: list[Tensor | None] = list(ss)
+        for i in nones:
+            full.insert(i, None)
+        state = optree.tree_unflatten(spec, full)
+        new_state = self.plain(params, grads, state)
+        new_params = params
+        if new_state is None:  # (a tree the engine refuses: the update, the gradients kept)
+            updates, new_state = self.tx.update(grads, state, params, donate=STATE_ONLY)
+            new_params = apply_updates(params, updates, donate=True)
+        new_leaves = optree.tree_leaves(new_state, none_is_leaf=True, namespace=tree.NAMESPACE)
+        news = [x for x in new_leaves if x is not None]
+        if len(new_leaves) != len(full) or len(news) != len(ss):
+            raise RuntimeError(
+                "fused_step under torch.compile: the update returned a state of another "
+                "structure than it was given"
+            )
+        olds, values = [], []
+        for old, new in zip((*ps, *ss), (*_values(new_params, keys), *news), strict=True):
+            if new is not old:  # (the step's results that are not written in place)
+                olds.append(old)
+                values.append(new)
+        if olds:
+            torch._foreach_copy_(olds, values)
+
+    def _spec(
+        self, params: Any, kind: int, keys: list[str], ps: list[Tensor]
+    ) -> tuple[Any, tuple[int, ...]]:
+        key = (kind, tuple(keys), tuple((p.shape, p.dtype, p.device) for p in ps))
+        found = self.specs.get(key)
+        if found is None:
+            metas = _rebuilt(kind, keys, [torch.empty_like(p, device="meta") for p in ps])
+            leaves, spec = optree.tree_flatten(
+                self.tx.init(metas), none_is_leaf=True, namespace=tree.NAMESPACE
+            )
+            found = self.specs[key] = (spec, tuple(i for i, x in enumerate(leaves) if x is None))
+        return found
+
+
+def _forget(number: int) -> Callable[[Any], None]:
+    def forget(_: Any) -> None:
+        _STEPS.pop(number, None)
+
+    return forget
+
+
+def _plain(x: Any) -> bool:
+    return type(x) in _PLAIN
+
+
+def _kind(params: Any) -> tuple[int | None, list[str]]:
+    """The op's code for the params' container and its keys; ``None`` for other trees."""
+    if type(params) is list:
+        return _SEQUENCE, []
+    if type(params) is tuple:
+        return _TUPLE, []
+    if type(params) is dict and all(type(k) is str for k in params):
+        return _DICT, list(params)
+    return None, []
+
+
+def _values(container: Any, keys: list[str]) -> list[Any]:
+    return [container[k] for k in keys] if keys else list(container)
+
+
+def _rebuilt(kind: int, keys: list[str], values: list[Any]) -> Any:
+    if kind == _DICT:
+        return dict(zip(keys, values, strict=True))
+    return tuple(values) if kind == _TUPLE else list(values)
+
+
+@torch.library.custom_op(
+    "functional_opt::fused_step",
+    mutates_args=("params", "state"),
+    schema=(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, int[] nones, int kind, "
+        "str[] keys, int number) -> ()"
+    ),
+)
+def _fused_step_op(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state: list[Tensor],
+    nones: list[int],
+    kind: int,
+    keys: list[str],
+    number: int,
+) -> None:
+    ref = _STEPS.get(number)
+    opaque = None if ref is None else ref()
+    if opaque is None:
+        raise RuntimeError(
+            "fused_step under torch.compile: the fused_step this graph was compiled with no "
+            "longer exists (keep it alive as long as the compiled function)"
+        )
+    opaque.run(params, grads, state, nones, kind, keys)
+
+
+@_fused_step_op.register_fake
+def _fused_step_fake(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state: list[Tensor],
+    nones: list[int],
+    kind: int,
+    keys: list[str],
+    number: int,
+) -> None:
+    return None

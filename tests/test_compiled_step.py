@@ -1,0 +1,145 @@
+"""``fo.fused_step`` inside a user's ``torch.compile``: over a plain tree the step is one op of
+the graph (``functional_opt::fused_step``), which runs the engine's step when the compiled code
+runs, so the results are those of the same ``fused_step`` called outside ``torch.compile``, bit
+for bit; trees the op cannot take are traced inline."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_close_rounding
+from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
+
+import functional_opt as fo
+from functional_opt import plain_trees, tree
+
+OP = torch.ops.functional_opt.fused_step
+
+
+def _dict(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"enc.weight": (40, 30), "enc.bias": (40,), "head.weight": (5, 40), "head.bias": (5,)}
+    return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _list(seed: int) -> list[torch.Tensor]:
+    return list(_dict(seed).values())
+
+
+def _matrices(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: "adam" if v.ndim > 1 else "sgd" for k, v in params.items()}
+
+
+TRANSFORMS: dict[str, Callable[[], fo.GradientTransformation]] = {
+    "dreamerv3": lambda: fo.dreamerv3(1e-2, warmup=2),
+    "injected-adamw": lambda: fo.inject_hyperparams(fo.adamw)(learning_rate=1e-2),
+    "partition": lambda: fo.partition(
+        {"adam": fo.adam(1e-2), "sgd": fo.sgd(1e-2, momentum=0.9)}, _matrices
+    ),
+    "clip-adamw": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)),
+}
+
+
+def _ops(graphs: list[torch.fx.GraphModule]) -> list[Any]:
+    return [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize(
+    ("name", "container", "backend"),
+    [
+        ("dreamerv3", _dict, "inductor"),
+        ("injected-adamw", _list, "aot_eager"),
+        ("partition", _dict, "aot_eager"),
+        ("clip-adamw", _list, "aot_eager"),
+    ],
+)
+def test_a_compiled_fused_step_is_one_op_and_steps_as_outside_compile(
+    name: str,
+    container: Callable[[int], Any],
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four steps of ``torch.compile(fullgraph=True)`` of a step that calls ``fused_step``
+    (the first leaf takes the direct route, the others are staged): one graph with the op and
+    none of the update's math, compiled once (the injected lr changed in place on the third
+    step), the params stepped in their own storage, the gradients unchanged, and params and
+    state bit for bit those of the same transform's ``fused_step`` outside ``torch.compile``."""
+    monkeypatch.setattr(plain_trees, "LEAF_MIN", 1000)  # (enc.weight: 1200 elements)
+    torch._dynamo.reset()
+    tx = TRANSFORMS[name]()
+    step, eager_step = fo.fused_step(tx), fo.fused_step(tx)
+    recorded = EagerAndRecordGraphs()
+    counted = CompileCounterWithBackend(backend)
+
+    def train_step(params: Any, grads: Any, state: Any) -> Any:
+        return step(params, grads, state)
+
+    traced = torch.compile(train_step, backend=recorded, fullgraph=True)
+    compiled = torch.compile(train_step, backend=counted, fullgraph=True)
+    params, ref = container(0), container(0)
+    state, ref_state = tx.init(params), tx.init(ref)
+    ptrs = [p.data_ptr() for p in tree.leaves(params)]
+    traced(copy.deepcopy(params), container(9), copy.deepcopy(state))
+    assert OP in _ops(recorded.graphs)
+    assert all(t is OP or "aten" not in str(t) for t in _ops(recorded.graphs))
+    for k in range(4):
+        if k == 2 and name == "injected-adamw":
+            for s in (state, ref_state):
+                s.hyperparams["learning_rate"].fill_(3e-3)
+        grads = container(10 + k)
+        out, state = compiled(params, grads, state)
+        assert out is params
+        assert all(  # (read, never written)
+            torch.equal(a, b)
+            for a, b in zip(tree.leaves(grads), tree.leaves(container(10 + k)), strict=True)
+        )
+        ref, ref_state = eager_step(ref, container(10 + k), ref_state)
+        got, want = tree.leaves((params, state)), tree.leaves((ref, ref_state))
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert counted.frame_count == 1
+    assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
+
+
+@pytest.mark.parametrize("case", ["nested", "tracked"])
+def test_a_compiled_fused_step_the_op_cannot_take_is_traced_inline(case: str) -> None:
+    """Params in a nested tree, or params autograd records: the step is traced inline (no op
+    in the graph) and agrees with the eager update within rounding."""
+    torch._dynamo.reset()
+    tx = fo.adam(1e-2)
+    step = fo.fused_step(tx)
+    recorded = EagerAndRecordGraphs()
+    compiled = torch.compile(step, backend=recorded, fullgraph=True)
+    if case == "nested":
+        params: Any = {"enc": _dict(0), "head": _list(1)}
+        grads: Any = {"enc": _dict(2), "head": _list(3)}
+    else:
+        params = {k: v.requires_grad_() for k, v in _dict(0).items()}
+        grads = _dict(2)
+    ref = {k: v.detach().clone() for k, v in params.items()} if case == "tracked" else None
+    ref = copy.deepcopy(params) if ref is None else ref
+    state, ref_state = tx.init(params), tx.init(ref)
+    updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+    ref = fo.apply_updates(ref, updates)
+    out, state = compiled(params, grads, state)
+    assert OP not in _ops(recorded.graphs)
+    assert_close_rounding(
+        [x.detach() for x in tree.leaves(out)], tree.leaves(ref), dtype=torch.float32, ops=12
+    )
+
+
+def test_a_compiled_fused_step_given_a_state_of_another_structure_raises() -> None:
+    """The op rebuilds the state's structure from ``tx.init`` of the params; a state of another
+    transform is a ``RuntimeError`` saying so, and nothing is written."""
+    torch._dynamo.reset()
+    step = fo.fused_step(fo.adam(1e-2))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    params = _list(0)
+    before = copy.deepcopy(params)
+    wrong = fo.sgd(1e-2, momentum=0.9).init(params)
+    with pytest.raises(RuntimeError, match=r"structure of tx\.init"):
+        compiled(params, _list(1), wrong)
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
