@@ -38,7 +38,7 @@ from functional_opt.base import STATE_ONLY, GradientTransformation, OptState, ap
 
 __all__ = ["Opaque"]
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((Tensor, torch.nn.Parameter))
 _SEQUENCE, _TUPLE, _DICT = 0, 1, 2
 
 _STEPS: dict[int, weakref.ref[Opaque]] = {}
@@ -71,12 +71,11 @@ class Opaque:
         ps = _values(params, keys)
         gs = _values(grads, keys)
         leaves = optree.tree_leaves(state, none_is_leaf=True, namespace=tree.NAMESPACE)
-        if not all(x is None or _plain(x) for x in leaves):
-            return None
         ss = [x for x in leaves if x is not None]
-        if not all(_plain(x) for x in (*ps, *gs)) or (
-            torch.is_grad_enabled() and any(x.requires_grad for x in (*ps, *gs, *ss))
-        ):
+        # (comprehensions, not a function call per leaf: dynamo inlines every call it traces)
+        if not {type(x) for x in ps}.union({type(x) for x in gs}, {type(x) for x in ss}) <= _PLAIN:
+            return None
+        if torch.is_grad_enabled() and True in {x.requires_grad for x in (*ps, *gs, *ss)}:
             return None
         if not isinstance(torch._C._functorch.peek_interpreter_stack(), type(None)):
             return None  # (a torch.func transform; dynamo traces ``is None`` of it wrongly)
@@ -144,10 +143,6 @@ def _forget(number: int) -> Callable[[Any], None]:
         _STEPS.pop(number, None)
 
     return forget
-
-
-def _plain(x: Any) -> bool:
-    return type(x) in _PLAIN
 
 
 def _kind(params: Any) -> tuple[int | None, list[str]]:
