@@ -512,6 +512,10 @@ def _pack(values: PyTree, batch_dims: int, known: Structure | None) -> Packed:
     if known is None or known.shapes != shapes:
         known = Structure(spec, shapes)
     layout = Layout(known.batched(batch), tuple(slots), tuple(sizes))
+    if not torch.compiler.is_compiling():
+        # (its plans made now: a compiled step that made them while tracing would find them
+        # made on its next call, and compile again)
+        layout.prepare()
     return Packed(layout, buffers=buffers)
 
 

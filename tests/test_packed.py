@@ -475,6 +475,24 @@ def test_compiled_step_over_packed_trees_matches_eager() -> None:
         torch.compile(fo.pack, fullgraph=True)({"a": torch.ones(2)})
 
 
+def test_a_compiled_step_over_packed_trees_compiles_once() -> None:
+    """``pack`` makes its layout's plans: a compiled step that made them while tracing found
+    them made on its second call and compiled again (5 s on W1)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(12)
+    tx = fo.dreamerv3(lr=1e-2, warmup=0)
+    leaves = lambda: {"w": _leaf(gen, torch.float32, 3, 4), "b": _leaf(gen, torch.float32, 4)}  # noqa: E731
+    params, grads = fo.pack(leaves()), fo.pack(leaves())  # (one gradient buffer, kept)
+    state = tx.init(params)
+    counter = CompileCounter()
+    step = torch.compile(fo.fused_step(tx), backend=counter, fullgraph=True)
+    for _ in range(3):
+        params, state = step(params, grads, state)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_loose_gradients_from_an_earlier_transform_are_repacked(donate: bool) -> None:
     # chain(clip, dreamerv3): dreamerv3 gets the clip's loose output, copies it into buffers
