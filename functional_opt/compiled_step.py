@@ -51,9 +51,7 @@ class Opaque:
     while ``torch.compile`` traces) puts the op in the graph and returns ``(params, state)``,
     or returns ``None`` where the step is traced inline."""
 
-    def __init__(
-        self, tx: GradientTransformation, plain: Callable[[Any, Any, OptState], OptState | None]
-    ) -> None:
+    def __init__(self, tx: GradientTransformation, plain: Any) -> None:
         self.tx = tx
         self.plain = plain
         """The engine's step over a plain tree (params written in place), ``None`` where it
@@ -104,7 +102,8 @@ class Opaque:
         for i in nones:
             full.insert(i, None)
         state = optree.tree_unflatten(spec, full)
-        new_state = self.plain(params, grads, state)
+        # (the returned state is copied into the given one and dropped: no caller keeps it)
+        new_state = self.plain(params, grads, state, into_held=True)
         new_params = params
         if new_state is None:  # (a tree the engine refuses: the update, the gradients kept)
             updates, new_state = self.tx.update(grads, state, params, donate=STATE_ONLY)

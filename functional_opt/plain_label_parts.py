@@ -64,7 +64,10 @@ class PlainLabelParts:
         self.steps: dict[Stages, PlainTreeStep] = {}
         """Each part's plain-tree step (its compiled kernels and staging buffers), by labels."""
 
-    def __call__(self, params: Any, grads: Any, state: OptState) -> OptState | None:
+    def __call__(
+        self, params: Any, grads: Any, state: OptState, *, into_held: bool = False
+    ) -> OptState | None:
+        """``into_held``: as :class:`PlainTreeStep`'s, for each part's step."""
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
         gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
         if (
@@ -89,7 +92,7 @@ class PlainLabelParts:
                     step = self.steps.get(labels)
                     if step is None:
                         step = self.steps[labels] = PlainTreeStep(self.tx, self.make_runner())
-                    new_sub = step(sub_params, sub_grads, sub_state)
+                    new_sub = step(sub_params, sub_grads, sub_state, into_held=into_held)
                 if new_sub is None:
                     if k == 0 and mine:
                         return None  # (nothing written yet: the transform's own update)

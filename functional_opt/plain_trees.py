@@ -86,16 +86,23 @@ class _Staging:
         self.states: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         """By position among the per-parameter state entries: (buffers, leaf views)."""
 
-    def state(self, j: int, leaves: list[Tensor]) -> tuple[list[Tensor], bool]:
+    def state(
+        self, j: int, leaves: list[Tensor], into_held: bool = False
+    ) -> tuple[list[Tensor], bool]:
         """The buffers of state entry ``j`` holding ``leaves`` (the staged leaves' values), and
-        whether ``leaves`` already were their views (else they are copied into new buffers)."""
+        whether ``leaves`` already were their views (else they are copied into new buffers, or
+        with ``into_held`` into the buffers already held, when no state the caller keeps holds
+        their views)."""
         held = self.states.get(j)
-        if (
-            held is not None
-            and len(leaves) == len(held[1])
-            and all(map(operator.is_, leaves, held[1]))
-        ):
-            return held[0], True
+        if held is not None and len(leaves) == len(held[1]):
+            if all(map(operator.is_, leaves, held[1])):
+                return held[0], True
+            if into_held and all(
+                a.shape == b.shape and a.dtype == b.dtype
+                for a, b in zip(leaves, held[1], strict=True)
+            ):
+                torch._foreach_copy_(held[1], leaves)
+                return held[0], False
         buffers = self.layout.gather(self.layout.structure.rebuild(leaves), "state")
         self.states[j] = buffers, cast(list[Tensor], self.layout.views(buffers))
         return buffers, False
@@ -166,7 +173,12 @@ class PlainTreeStep:
         self.seen: dict[int, tuple[Any, list[Any]]] = {}
         """The state's per-parameter subtrees found last step, by id: (node, leaves)."""
 
-    def __call__(self, params: Any, grads: Any, state: OptState) -> OptState | None:
+    def __call__(
+        self, params: Any, grads: Any, state: OptState, *, into_held: bool = False
+    ) -> OptState | None:
+        """``into_held``: the caller keeps no state this step returned (it copies the returned
+        state where it wants it), so the staged leaves' state is copied into the buffers already
+        held instead of new ones."""
         if not _kernels.compiles_here() or isinstance(params, Packed) or isinstance(grads, Packed):
             return None
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
@@ -193,7 +205,7 @@ class PlainTreeStep:
         # the staged leaves' labels, pinned while their update runs over them alone
         part = () if labels is None else part_labels(labels, staged)
         # everything that can refuse comes before anything is written
-        prepared = self._prepare(gs, spec, facts, per) if staged else None
+        prepared = self._prepare(gs, spec, facts, per, into_held) if staged else None
         loaded = self._load(prepared, ps, gs, facts, outer, outer_spec, kinds) if prepared else None
         given = [x for x, k in zip(outer, kinds, strict=True) if k in GIVEN]
         totals: list[Tensor] | None = None
@@ -390,7 +402,7 @@ class PlainTreeStep:
         return self.kernels[key]
 
     def _prepare(
-        self, gs: list[Tensor], spec: Any, facts: _Facts, per: list[list[Any]]
+        self, gs: list[Tensor], spec: Any, facts: _Facts, per: list[list[Any]], into_held: bool
     ) -> tuple[_Staging, list[tuple[list[Tensor], bool]]] | None:
         """The staging buffers for the staged leaves (made for a new layout), and each
         per-parameter state entry's buffers (moved into buffers where they are not views of
@@ -405,7 +417,10 @@ class PlainTreeStep:
             g_tree = tree.unflatten(spec, gs) if everything else [gs[i] for i in staged]
             staging = self.staging = _Staging(key, pack(g_tree))
         try:
-            states = [staging.state(j, [leaves[i] for i in staged]) for j, leaves in enumerate(per)]
+            states = [
+                staging.state(j, [leaves[i] for i in staged], into_held)
+                for j, leaves in enumerate(per)
+            ]
         except ValueError:  # state leaves of several dtypes where one buffer holds them
             return None
         return staging, states

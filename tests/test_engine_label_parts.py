@@ -257,8 +257,8 @@ def plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     calls: list[bool] = []
     original = plain_trees.PlainTreeStep.__call__
 
-    def counted(self: Any, *args: Any) -> Any:
-        out = original(self, *args)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
         calls.append(out is not None)
         return out
 
