@@ -1,25 +1,25 @@
 """:func:`functional_opt.fused_step` inside a user's ``torch.compile``: the step as one opaque op.
 
 Traced inline, a transform's update over a plain tree is a handful of ops *per leaf*: a
-DreamerV3 step over 120 tensors is about 3600 ops, which took dynamo and inductor 82 s to
+DreamerV3 step over 120 tensors is about 3600 ops, which took dynamo and inductor 81 s to
 compile with an empty cache (and never finished for 2000 tensors). The engine already runs that
 step over plain trees (:mod:`functional_opt.plain_trees`) with a few kernels compiled once per
 process with dynamic shapes. So while ``torch.compile`` traces a ``fused_step`` over a plain
 tree, the step goes into the graph as one op, ``functional_opt::fused_step``, which mutates the
-params, gradients and state it is given (as ``torch.optim``'s fused Adam is one op in a compiled
+params and the state it is given (as ``torch.optim``'s fused Adam is one op in a compiled
 graph); when the compiled code runs, the op runs the engine's step on the real tensors and
 writes the new params and state into them. The result is the same, bit for bit, as calling the
 ``fused_step`` outside ``torch.compile``. The gradients are read, never written (where the engine
 refuses a tree, the op runs the transform's update with only the state donated).
 
-A custom op's arguments are tensors, lists and numbers, not Python objects, so the op names its
-step by a number (:class:`Opaque`, made once per ``fused_step``, held by the compiled code's
-closure; the table here holds only weak references), names the params by their keys, and
-rebuilds the state's structure, when the op runs, from ``tx.init`` of the params on the
-``meta`` device (no memory). The op is taken when the params are a ``list``, ``tuple`` or
-``dict`` (string keys) of plain tensors, the gradients have the same keys, the state's leaves
-are tensors or ``None``, autograd records none of the tensors, and no ``torch.func`` transform
-is being traced; other steps are traced inline, as before.
+A custom op's arguments are tensors, lists and numbers, not Python objects, so the op names its step
+by a number (:class:`Opaque`, made once per ``fused_step``, held by the compiled code's closure; the
+table here holds only weak references), names the params by their keys, and rebuilds the state's
+structure, when the op runs, from ``tx.init`` of the params on the ``meta`` device (no memory; of
+the params themselves where an ``init`` cannot run there). The op is taken when the params are a
+``list``, ``tuple`` or ``dict`` (string keys) of plain tensors, the gradients have the same keys,
+the state's leaves are tensors or ``None``, autograd records none of the tensors, and no
+``torch.func`` transform is being traced; other steps are traced inline, as before.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class Opaque:
     def __init__(self, tx: GradientTransformation, plain: Any) -> None:
         self.tx = tx
         self.plain = plain
-        """The engine's step over a plain tree (params written in place), ``None`` where it
-        does not apply."""
+        """The engine's step over a plain tree (params written in place; it returns ``None``
+        where it does not apply)."""
         self.number = next(_NUMBERS)
         self.specs: dict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = {}
         """The state's structure per params' keys, shapes and dtypes: (spec, ``None`` leaves)."""
@@ -130,9 +130,11 @@ class Opaque:
         found = self.specs.get(key)
         if found is None:
             metas = _rebuilt(kind, keys, [torch.empty_like(p, device="meta") for p in ps])
-            leaves, spec = optree.tree_flatten(
-                self.tx.init(metas), none_is_leaf=True, namespace=tree.NAMESPACE
-            )
+            try:
+                init = self.tx.init(metas)
+            except (NotImplementedError, RuntimeError):  # (an init that reads values)
+                init = self.tx.init(params)
+            leaves, spec = optree.tree_flatten(init, none_is_leaf=True, namespace=tree.NAMESPACE)
             found = self.specs[key] = (spec, tuple(i for i, x in enumerate(leaves) if x is None))
         return found
 

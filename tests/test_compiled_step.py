@@ -148,3 +148,26 @@ def test_a_compiled_fused_step_given_a_state_of_another_structure_raises() -> No
     with pytest.raises(RuntimeError, match=r"structure of tx\.init"):
         compiled(params, _list(1), wrong)
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+
+
+def test_a_compiled_fused_step_whose_init_reads_values_rebuilds_its_state_from_the_params() -> None:
+    """The op rebuilds the state's structure from ``tx.init`` on the ``meta`` device; an init
+    that cannot run there (it reads values) runs on the params instead, and the steps agree
+    with the eager ``fused_step``."""
+    torch._dynamo.reset()
+    adam = fo.adam(1e-2)
+
+    def init(params: Any) -> Any:
+        if any(p.is_meta for p in tree.leaves(params)):
+            raise NotImplementedError("reads values")
+        return adam.init(params)
+
+    tx = fo.GradientTransformation(init, adam.update)
+    compiled = torch.compile(fo.fused_step(tx), backend="aot_eager", fullgraph=True)
+    eager = fo.fused_step(tx)
+    params, ref = _list(0), _list(0)
+    state, ref_state = tx.init(params), tx.init(ref)
+    for k in range(2):
+        params, state = compiled(params, _list(1 + k), state)
+        ref, ref_state = eager(ref, _list(1 + k), ref_state)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
