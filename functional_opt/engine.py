@@ -318,13 +318,20 @@ def fused_step(
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused_step: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
-    plain: PlainTreeStep | PlainLabelParts | None = None
-    if fusable(tx):
-        plain = PlainTreeStep(tx, runner)
-    elif has_leaf_labels(tx):  # (partition: a plain-tree step per label)
-        plain = PlainLabelParts(tx, lambda: Runner(tx))
-    # (inside a user's torch.compile: the step over a plain tree as one op of the graph)
-    opaque = None if plain is None else Opaque(tx, plain)
+
+    def plain_step() -> PlainTreeStep | PlainLabelParts | None:
+        if fusable(tx):
+            return PlainTreeStep(tx, runner)
+        if has_leaf_labels(tx):  # (partition: a plain-tree step per label)
+            return PlainLabelParts(tx, lambda: Runner(tx))
+        return None
+
+    plain = plain_step()
+    # Inside a user's torch.compile: the step over a plain tree as one op of the graph, with a
+    # plain-tree step of its own (its staging buffers are reused every step, which would write
+    # into the state an eager call of this step returned).
+    mine = plain_step()
+    opaque = None if mine is None else Opaque(tx, mine)
 
     def step(params: Packed, grads: Packed, state: OptState) -> tuple[Packed, OptState]:
         if opaque is not None and torch.compiler.is_compiling() and not _buffered(params):

@@ -171,3 +171,42 @@ def test_a_compiled_fused_step_whose_init_reads_values_rebuilds_its_state_from_t
         params, state = compiled(params, _list(1 + k), state)
         ref, ref_state = eager(ref, _list(1 + k), ref_state)
     assert all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
+
+
+def test_one_fused_step_called_compiled_and_eagerly_in_turn_steps_as_eagerly() -> None:
+    """A training step compiled whole (the gradients from ``torch.func.grad`` inside the graph,
+    then ``fused_step``) and the same ``fused_step`` called eagerly, in turn, on two copies of
+    the params: each agrees bit for bit with a ``fused_step`` only ever called eagerly. (The
+    op's plain-tree step is its own: it reuses its staging buffers every step, which must not
+    be the buffers the eager calls' returned state views.)"""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 30), torch.nn.Tanh(), torch.nn.Linear(30, 2))
+    tx = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, weight_decay=1e-2))
+    step, reference = fo.fused_step(tx), fo.fused_step(tx)
+
+    def loss(params: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    def train_step(params: Any, state: Any, x: torch.Tensor) -> Any:
+        return step(params, torch.func.grad(loss)(params, x), state)
+
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    recorded = EagerAndRecordGraphs()
+    torch.compile(train_step, backend=recorded, fullgraph=True)(
+        copy.deepcopy(start), tx.init(start), torch.ones(3, 8)
+    )
+    assert OP in _ops(recorded.graphs)
+    compiled = torch.compile(train_step, backend="aot_eager", fullgraph=True)
+    a, b, ref_a, ref_b = (copy.deepcopy(start) for _ in range(4))
+    sa, sb, ref_sa, ref_sb = (tx.init(start) for _ in range(4))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        a, sa = compiled(a, sa, x)
+        b, sb = step(b, torch.func.grad(loss)(b, x), sb)
+        ref_a, ref_sa = reference(ref_a, torch.func.grad(loss)(ref_a, x), ref_sa)
+        ref_b, ref_sb = reference(ref_b, torch.func.grad(loss)(ref_b, x), ref_sb)
+        for got, want in ((a, ref_a), (b, ref_b), (sa, ref_sa), (sb, ref_sb)):
+            assert all(
+                torch.equal(u, v) for u, v in zip(tree.leaves(got), tree.leaves(want), strict=True)
+            )
