@@ -57,8 +57,8 @@ class Opaque:
         """The engine's step over a plain tree (params written in place; it returns ``None``
         where it does not apply)."""
         self.number = next(_NUMBERS)
-        self.specs: dict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = {}
-        """The state's structure per params' keys, shapes and dtypes: (spec, ``None`` leaves)."""
+        self.specs: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], list[int | None]]] = {}
+        """Per params' keys, shapes and dtypes: what :meth:`_spec` finds."""
         _STEPS[self.number] = weakref.ref(self, _forget(self.number))
 
     def call(self, params: Any, grads: Any, state: OptState) -> tuple[Any, OptState] | None:
@@ -68,7 +68,9 @@ class Opaque:
             return None
         ps = _values(params, keys)
         gs = _values(grads, keys)
-        leaves = optree.tree_leaves(state, none_is_leaf=True, namespace=tree.NAMESPACE)
+        leaves = _leaves_of(state)  # (optree's flatten costs dynamo seconds for 1000 leaves)
+        if leaves is None:
+            return None
         ss = [x for x in leaves if x is not None]
         # (comprehensions, not a function call per leaf: dynamo inlines every call it traces)
         if not {type(x) for x in ps}.union({type(x) for x in gs}, {type(x) for x in ss}) <= _PLAIN:
@@ -92,15 +94,13 @@ class Opaque:
     ) -> None:
         """The op's body: the step on the real tensors, its results written into them."""
         params, grads = _rebuilt(kind, keys, ps), _rebuilt(kind, keys, gs)
-        spec, init_nones = self._spec(params, kind, keys, ps)
-        if list(init_nones) != list(nones) or spec.num_leaves != len(ss) + len(nones):
+        spec, init_nones, order = self._spec(params, kind, keys, ps)
+        if list(init_nones) != list(nones) or len(order) != len(ss) + len(nones):
             raise RuntimeError(
                 "fused_step under torch.compile: the state does not have the structure of "
                 "tx.init(params) (its leaves, or where they are None, differ)"
             )
-        full: list[Tensor | None] = list(ss)
-        for i in nones:
-            full.insert(i, None)
+        full = [None if k is None else ss[k] for k in order]  # (optree's leaf order)
         state = optree.tree_unflatten(spec, full)
         # (the returned state is copied into the given one and dropped: no caller keeps it)
         new_state = self.plain(params, grads, state, into_held=True)
@@ -109,15 +109,17 @@ class Opaque:
             updates, new_state = self.tx.update(grads, state, params, donate=STATE_ONLY)
             new_params = apply_updates(params, updates, donate=True)
         new_leaves = optree.tree_leaves(new_state, none_is_leaf=True, namespace=tree.NAMESPACE)
-        news = [x for x in new_leaves if x is not None]
-        if len(new_leaves) != len(full) or len(news) != len(ss):
+        if len(new_leaves) != len(full) or any(
+            (x is None) != (y is None) for x, y in zip(new_leaves, full, strict=True)
+        ):
             raise RuntimeError(
                 "fused_step under torch.compile: the update returned a state of another "
                 "structure than it was given"
             )
-        olds, values = [], []
-        for old, new in zip((*ps, *ss), (*_values(new_params, keys), *news), strict=True):
-            if new is not old:  # (the step's results that are not written in place)
+        olds: list[Tensor] = []
+        values: list[Tensor] = []
+        for old, new in zip((*ps, *full), (*_values(new_params, keys), *new_leaves), strict=True):
+            if old is not None and new is not old:  # (results not written in place)
                 olds.append(old)
                 values.append(new)
         if olds:
@@ -125,7 +127,12 @@ class Opaque:
 
     def _spec(
         self, params: Any, kind: int, keys: list[str], ps: list[Tensor]
-    ) -> tuple[Any, tuple[int, ...]]:
+    ) -> tuple[Any, tuple[int, ...], list[int | None]]:
+        """For params of these keys, shapes and dtypes: the structure of ``tx.init(params)``
+        (optree's spec), where :func:`_leaves_of` finds ``None`` leaves, and for each of
+        optree's leaves the position of the same leaf among :func:`_leaves_of`'s tensors
+        (``None`` for a ``None`` leaf), found on one init: the two orders may differ (optree
+        may be told to keep dicts in insertion order)."""
         key = (kind, tuple(keys), tuple((p.shape, p.dtype, p.device) for p in ps))
         found = self.specs.get(key)
         if found is None:
@@ -134,9 +141,46 @@ class Opaque:
                 init = self.tx.init(metas)
             except (NotImplementedError, RuntimeError):  # (an init that reads values)
                 init = self.tx.init(params)
-            leaves, spec = optree.tree_flatten(init, none_is_leaf=True, namespace=tree.NAMESPACE)
-            found = self.specs[key] = (spec, tuple(i for i, x in enumerate(leaves) if x is None))
+            theirs, spec = optree.tree_flatten(init, none_is_leaf=True, namespace=tree.NAMESPACE)
+            mine = _leaves_of(init)
+            if mine is None or len(mine) != len(theirs):
+                raise RuntimeError(
+                    "fused_step under torch.compile: tx.init(params) is not made of dicts, "
+                    "lists, tuples, named tuples and tensors"
+                )
+            at = {id(x): k for k, x in enumerate(x for x in mine if x is not None)}
+            order = [None if x is None else at[id(x)] for x in theirs]
+            nones = tuple(i for i, x in enumerate(mine) if x is None)
+            found = self.specs[key] = (spec, nones, order)
         return found
+
+
+def _leaves_of(node: Any) -> list[Any] | None:
+    """The leaves (tensors and ``None``) of a tree of dicts (keys sorted), lists, tuples and
+    named tuples, in that order; ``None`` for a tree with other nodes. Written for dynamo to
+    trace cheaply (a loop over a node's children, one call per node, not per leaf)."""
+    t = type(node)
+    if t is dict:
+        try:
+            children = [node[k] for k in sorted(node)]
+        except TypeError:  # (keys that do not sort)
+            return None
+    elif t is list or t is tuple or (isinstance(node, tuple) and hasattr(t, "_fields")):
+        children = list(node)
+    elif node is None or isinstance(node, Tensor):
+        return [node]
+    else:
+        return None
+    out: list[Any] = []
+    for child in children:
+        if child is None or isinstance(child, Tensor):
+            out.append(child)
+            continue
+        sub = _leaves_of(child)
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
 
 
 def _forget(number: int) -> Callable[[Any], None]:

@@ -9,6 +9,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 from conftest import assert_close_rounding
@@ -210,3 +211,22 @@ def test_one_fused_step_called_compiled_and_eagerly_in_turn_steps_as_eagerly() -
             assert all(
                 torch.equal(u, v) for u, v in zip(tree.leaves(got), tree.leaves(want), strict=True)
             )
+
+
+def test_a_compiled_fused_step_places_the_state_in_optrees_order_whatever_it_is() -> None:
+    """The traced code lists the state's leaves itself (dict keys sorted); the op finds, on
+    ``tx.init`` of the params, where each of optree's leaves is in that list, so the state is
+    rebuilt right even when optree keeps dicts in insertion order (here not the sorted one)."""
+    torch._dynamo.reset()
+    tx = fo.adam(1e-2)
+    with optree.dict_insertion_ordered(True, namespace=tree.NAMESPACE):
+        compiled = torch.compile(fo.fused_step(tx), backend="aot_eager", fullgraph=True)
+        eager = fo.fused_step(tx)
+        params, ref = _dict(0), _dict(0)
+        assert list(params) != sorted(params)
+        state, ref_state = tx.init(params), tx.init(ref)
+        for k in range(2):
+            params, state = compiled(params, _dict(1 + k), state)
+            ref, ref_state = eager(ref, _dict(1 + k), ref_state)
+        got, want = tree.leaves((params, state)), tree.leaves((ref, ref_state))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
