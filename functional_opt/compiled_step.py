@@ -239,13 +239,6 @@ def _fused_step_op(
 
 
 @_fused_step_op.register_fake
-def _fused_step_fake(
-    params: list[Tensor],
-    grads: list[Tensor],
-    state: list[Tensor],
-    nones: list[int],
-    kind: int,
-    keys: list[str],
-    number: int,
-) -> None:
+def _fused_step_fake(*args: object, **kwargs: object) -> None:
+    """While tracing: the op returns nothing (its effect is the mutation of its arguments)."""
     return None
