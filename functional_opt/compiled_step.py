@@ -218,6 +218,8 @@ def _rebuilt(kind: int, keys: list[str], values: list[Any]) -> Any:
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, int[] nones, int kind, "
         "str[] keys, int number) -> ()"
     ),
+    # (its body is Python that decides each step what to run: never captured in a CUDA graph)
+    tags=(torch.Tag.cudagraph_unsafe,),
 )
 def _fused_step_op(
     params: list[Tensor],

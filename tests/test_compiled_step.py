@@ -230,3 +230,9 @@ def test_a_compiled_fused_step_places_the_state_in_optrees_order_whatever_it_is(
             ref, ref_state = eager(ref, _dict(1 + k), ref_state)
         got, want = tree.leaves((params, state)), tree.leaves((ref, ref_state))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_op_is_never_captured_in_a_cuda_graph() -> None:
+    """The op's body is Python that decides each step what to run (routes, staging, copies):
+    inductor's CUDA graphs (``mode="reduce-overhead"``) must leave it out of a capture."""
+    assert torch.Tag.cudagraph_unsafe in OP.default.tags
