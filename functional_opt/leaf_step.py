@@ -367,8 +367,8 @@ def gradient_reductions_pass(
         if kind == "squares":
             columns.append([n.square() for n in _lists.local_norms(grads)])
         else:
-            flags = _lists._finite_flags(grads)
-            columns.append([f.logical_not().to(torch.float32) for f in flags])
+            counts = _lists._finite_flags(grads).logical_not().to(torch.float32)
+            columns.append(list(counts.unbind()))
     rows = [list(values) for values in zip(*columns, strict=True)]
     return [tuple(row + [row[0]] * (count - len(row))) for row in rows]
 
