@@ -405,17 +405,6 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     return _run(fn, args, lambda: compiled(fn, *args), lambda: _FAILED.add(fn))
 
 
-def _in_blocking_mode() -> bool:
-    """Whether a ``TorchDispatchMode`` is active under which ``torch.compile`` runs no compiled
-    code: dynamo's own test (modes that declare ``ignore_compile_internals()``, such as the
-    alias check ``torch.compile`` runs around the first call of a compiled graph, do not
-    block it), or any mode but torch's infrastructure ones where torch lacks that test."""
-    test = getattr(_python_dispatch, "is_in_any_mode_without_ignore_compile_internals", None)
-    if test is not None:
-        return bool(test())
-    return _python_dispatch.is_in_torch_dispatch_mode(include_infra_modes=False)
-
-
 def compiles_here() -> bool:
     """Whether compiled code runs where the engine is called: not while ``torch.compile`` is
     already tracing, not under a user's ``TorchDispatchMode`` (an op or collective counter:
@@ -423,7 +412,9 @@ def compiles_here() -> bool:
     ``torch.func`` transform (vmap, grad: dynamo cannot trace the update)."""
     return not (
         torch.compiler.is_compiling()
-        or _in_blocking_mode()
+        # (dynamo's own test: modes that declare ignore_compile_internals(), such as the alias
+        # check torch.compile runs around the first call of a compiled graph, do not count)
+        or _python_dispatch.is_in_any_mode_without_ignore_compile_internals()
         or torch._C._functorch.peek_interpreter_stack() is not None
     )
 
