@@ -41,6 +41,10 @@ __all__ = ["Opaque"]
 _PLAIN = frozenset((Tensor, torch.nn.Parameter))
 _SEQUENCE, _TUPLE, _DICT = 0, 1, 2
 
+_Spec = tuple[Any, tuple[int, ...], list["int | None"], list[torch.Size]]
+"""What :meth:`Opaque._spec` finds: optree's spec of the state, the ``None`` leaves' positions,
+optree's order of the tensors, their shapes."""
+
 _STEPS: dict[int, weakref.ref[Opaque]] = {}
 """The live :class:`Opaque` steps by number (weak: an entry goes with its step)."""
 _NUMBERS = itertools.count()
@@ -57,8 +61,10 @@ class Opaque:
         """The engine's step over a plain tree (params written in place; it returns ``None``
         where it does not apply)."""
         self.number = next(_NUMBERS)
-        self.specs: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], list[int | None]]] = {}
+        self.specs: dict[tuple[Any, ...], _Spec] = {}
         """Per params' keys, shapes and dtypes: what :meth:`_spec` finds."""
+        self.checked: list[int] = []
+        """The state's tensors last found of the right structure (by identity)."""
         _STEPS[self.number] = weakref.ref(self, _forget(self.number))
 
     def call(self, params: Any, grads: Any, state: OptState) -> tuple[Any, OptState] | None:
@@ -94,12 +100,18 @@ class Opaque:
     ) -> None:
         """The op's body: the step on the real tensors, its results written into them."""
         params, grads = _rebuilt(kind, keys, ps), _rebuilt(kind, keys, gs)
-        spec, init_nones, order = self._spec(params, kind, keys, ps)
-        if list(init_nones) != list(nones) or len(order) != len(ss) + len(nones):
+        spec, init_nones, order, shapes = self._spec(params, kind, keys, ps)
+        ids = [id(x) for x in ss]
+        if ids != self.checked and (
+            list(init_nones) != list(nones)
+            or len(order) != len(ss) + len(nones)
+            or any(x.shape != shape for x, shape in zip(ss, shapes, strict=True))
+        ):
             raise RuntimeError(
                 "fused_step under torch.compile: the state does not have the structure of "
-                "tx.init(params) (its leaves, or where they are None, differ)"
+                "tx.init(params) (its leaves, where they are None, or their shapes differ)"
             )
+        self.checked = ids  # (the same tensors next step: not checked again)
         full = [None if k is None else ss[k] for k in order]  # (optree's leaf order)
         state = optree.tree_unflatten(spec, full)
         # (the returned state is copied into the given one and dropped: no caller keeps it)
@@ -125,14 +137,12 @@ class Opaque:
         if olds:
             torch._foreach_copy_(olds, values)
 
-    def _spec(
-        self, params: Any, kind: int, keys: list[str], ps: list[Tensor]
-    ) -> tuple[Any, tuple[int, ...], list[int | None]]:
+    def _spec(self, params: Any, kind: int, keys: list[str], ps: list[Tensor]) -> _Spec:
         """For params of these keys, shapes and dtypes: the structure of ``tx.init(params)``
-        (optree's spec), where :func:`_leaves_of` finds ``None`` leaves, and for each of
-        optree's leaves the position of the same leaf among :func:`_leaves_of`'s tensors
-        (``None`` for a ``None`` leaf), found on one init: the two orders may differ (optree
-        may be told to keep dicts in insertion order)."""
+        (optree's spec), where :func:`_leaves_of` finds ``None`` leaves, for each of optree's
+        leaves the position of the same leaf among :func:`_leaves_of`'s tensors (``None`` for a
+        ``None`` leaf), found on one init (the two orders may differ: optree may be told to keep
+        dicts in insertion order), and the shapes of those tensors."""
         key = (kind, tuple(keys), tuple((p.shape, p.dtype, p.device) for p in ps))
         found = self.specs.get(key)
         if found is None:
@@ -151,7 +161,8 @@ class Opaque:
             at = {id(x): k for k, x in enumerate(x for x in mine if x is not None)}
             order = [None if x is None else at[id(x)] for x in theirs]
             nones = tuple(i for i, x in enumerate(mine) if x is None)
-            found = self.specs[key] = (spec, nones, order)
+            shapes = [x.shape for x in mine if x is not None]
+            found = self.specs[key] = (spec, nones, order, shapes)
         return found
 
 

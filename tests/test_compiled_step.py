@@ -137,17 +137,22 @@ def test_a_compiled_fused_step_the_op_cannot_take_is_traced_inline(case: str) ->
     )
 
 
-def test_a_compiled_fused_step_given_a_state_of_another_structure_raises() -> None:
+@pytest.mark.parametrize("wrong", ["another-transform", "other-shapes"])
+def test_a_compiled_fused_step_given_a_state_of_another_structure_raises(wrong: str) -> None:
     """The op rebuilds the state's structure from ``tx.init`` of the params; a state of another
-    transform is a ``RuntimeError`` saying so, and nothing is written."""
+    transform, or one of as many leaves of other shapes (the params' order reversed), is a
+    ``RuntimeError`` saying so, and nothing is written."""
     torch._dynamo.reset()
-    step = fo.fused_step(fo.adam(1e-2))
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    tx = fo.adam(1e-2)
+    compiled = torch.compile(fo.fused_step(tx), backend="aot_eager", fullgraph=True)
     params = _list(0)
     before = copy.deepcopy(params)
-    wrong = fo.sgd(1e-2, momentum=0.9).init(params)
+    if wrong == "another-transform":
+        state = fo.sgd(1e-2, momentum=0.9).init(params)
+    else:
+        state = tx.init(params[::-1])
     with pytest.raises(RuntimeError, match=r"structure of tx\.init"):
-        compiled(params, _list(1), wrong)
+        compiled(params, _list(1), state)
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
