@@ -331,14 +331,18 @@ class FreshGrads:
         self.step()
 
 
-def ours_pure_chain(params: list[torch.nn.Parameter], chain: str, engine: bool) -> Step:
-    """The pure API, donated update + apply: over packed trees through ``fo.fused``
-    (``engine``), or over the plain list of tensors, eagerly."""
+def ours_pure_chain(
+    params: list[torch.nn.Parameter], chain: str, engine: bool, packed: bool = True
+) -> Step:
+    """The pure API, donated update + apply: through ``fo.fused`` (``engine``) over packed
+    trees or (``packed=False``) over the plain list of tensors, or over the plain list
+    without the engine."""
     tx = CHAINS[chain]()
     if engine:
         tx = fo.fused(tx)
-        holder: dict[str, Any] = {"p": fo.pack([p.detach().clone() for p in params])}
-        grads: Any = fo.pack([p.grad for p in params])
+        pack: Callable[[Any], Any] = fo.pack if packed else list
+        holder: dict[str, Any] = {"p": pack([p.detach().clone() for p in params])}
+        grads: Any = pack([p.grad for p in params])
     else:
         holder = {"p": [p.detach().clone() for p in params]}
         grads = [p.grad for p in params]
@@ -414,6 +418,19 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
             ours_pure_chain, chain=c, engine=True
         )
         for c in ("adam", "chain(clip_by_global_norm, adamw)")
+    },
+    **{
+        f"ours: pure fused {c}, plain trees, donated": functools.partial(
+            ours_pure_chain, chain=c, engine=True, packed=False
+        )
+        for c in (
+            "adam",
+            "adamw",
+            "sgd momentum",
+            "dreamerv3",
+            "chain(clip_by_global_norm, adamw)",
+            "apply_if_finite(chain(clip_by_global_norm, adamw))",
+        )
     },
     **{
         f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)

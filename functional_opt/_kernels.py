@@ -1,9 +1,10 @@
-"""DreamerV3's elementwise update as single-pass kernels, compiled once with ``torch.compile``.
+"""DreamerV3's elementwise update as single-pass kernels, compiled once with ``torch.compile``,
+and the machinery that compiles the engine's per-leaf kernels (:class:`Kernel`).
 
 One pass reads ``g, nu, mu`` (and ``p`` where the kernel applies the update) and writes the new
 moments and the update: the clip factor, both bias corrections and the learning rate are folded
 into per-tensor scalars, so there is one division per element and no temporaries. Used by
-``dreamerv3``'s eager update for large leaves and by ``DreamerV3Optimizer``'s flat buffers.
+``DreamerV3Optimizer``'s flat buffers.
 
 Every kernel is compiled with ``dynamic=True`` (one compilation serves every size) the first
 time it runs with a given signature, then called without ``torch._dynamo``'s per-call work
@@ -38,7 +39,6 @@ __all__ = [
     "norm_pair",
     "update_kernel",
     "update_kernel_donated",
-    "update_kernel_in_place",
 ]
 
 
@@ -132,25 +132,6 @@ def update_kernel_donated(
     nu.copy_(nu_new)
     mu.copy_(mu_new)
     return u
-
-
-def update_kernel_in_place(
-    g: Tensor,
-    nu: Tensor,
-    mu: Tensor,
-    factor: Tensor,
-    step_size: Tensor,
-    inv_bc2: Tensor,
-    beta1: Tensor,
-    beta2: Tensor,
-    eps: Tensor,
-    p: Tensor | None = None,
-    decay: Tensor | None = None,
-) -> None:
-    """:func:`update_kernel_donated` with ``u`` written into ``g`` too (donated updates)."""
-    g.copy_(
-        update_kernel_donated(g, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps, p, decay)
-    )
 
 
 ADD_MIN = 1 << 14

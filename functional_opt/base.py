@@ -39,6 +39,7 @@ __all__ = [
     "declare_step_size",
     "declare_zero_updates",
     "describe",
+    "donate_mode",
     "donating",
     "donating_updates",
     "expect_state",
@@ -215,6 +216,12 @@ def _flag(extra: dict[str, Any], accepted: frozenset[str] | None = None) -> bool
     if not (isinstance(flag, bool) or flag == STATE_ONLY):
         raise TypeError(f"{DONATE}= must be a Python bool or {STATE_ONLY!r}, got {flag!r}")
     return flag  # type: ignore[no-any-return]
+
+
+def donate_mode(extra: dict[str, Any]) -> bool | str:
+    """An update's donation mode: ``True``, ``False`` or ``"state"`` (checked as
+    :func:`donating` checks it)."""
+    return _flag(extra, EXTRA_KEYWORDS)
 
 
 def donating(extra: dict[str, Any], accepted: frozenset[str] | None = EXTRA_KEYWORDS) -> bool:

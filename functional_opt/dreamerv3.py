@@ -9,9 +9,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from functional_opt import _lists, _validate, tree
-from functional_opt._dreamerv3_fused import Hyper, Number, check_state, fused_update, writable
+from functional_opt import _lists, _validate, plain_trees, tree
 from functional_opt.base import (
+    DONATE,
+    EmptyState,
     GradientTransformation,
     OptState,
     Params,
@@ -22,23 +23,65 @@ from functional_opt.base import (
     declare_fusable,
     declare_leafwise,
     declare_step_size,
-    donating,
+    describe,
+    donate_mode,
     donating_updates,
     fusable,
     leafwise_level,
 )
 from functional_opt.engine import Runner
 from functional_opt.packed import Packed
+from functional_opt.plain_trees import PlainTreeStep
 from functional_opt.schedules import Schedule
 from functional_opt.transforms.clipping import check_agc, clip_by_agc
-from functional_opt.transforms.moments import MomentDtype, ema, scale_by_rms
-from functional_opt.transforms.scaling import scale_by_learning_rate
+from functional_opt.transforms.moments import (
+    EmaState,
+    MomentDtype,
+    ScaleByRmsWithCountState,
+    ema,
+    scale_by_rms,
+)
+from functional_opt.transforms.scaling import ScaleByScheduleState, scale_by_learning_rate
 from functional_opt.transforms.weight_decay import add_decayed_weights
 from functional_opt.tree import PyTree
 
 __all__ = ["dreamerv3", "dreamerv3_schedule"]
 
 SCHEDULES = ("const", "linear", "cosine")
+
+Number = float | int | Tensor
+"""A hyperparameter: a Python number or a tensor (injected hyperparameters are 0-d tensors)."""
+
+
+def check_state(momentum: bool, state: OptState) -> None:
+    """Raises a ``ValueError`` naming the first place where ``state`` is not a state of
+    dreamerv3 with these options (its chain's states: ``EmptyState()`` for ``clip_by_agc``,
+    ``ScaleByRmsWithCountState``, ``EmaState`` with momentum, ``EmptyState()`` for the weight
+    decay and ``ScaleByScheduleState``). A few ``isinstance`` checks, once per update; the
+    per-parameter trees inside are checked when their leaves are taken."""
+    kinds: list[type] = [EmptyState, ScaleByRmsWithCountState]
+    if momentum:
+        kinds.append(EmaState)
+    kinds += [EmptyState, ScaleByScheduleState]
+    if not isinstance(state, tuple) or type(state) is not tuple or len(state) != len(kinds):
+        raise ValueError(
+            f"dreamerv3: the state must be a tuple of {len(kinds)} states "
+            f"({', '.join(k.__name__ for k in kinds)}), got {describe(state)} at <root> (the "
+            "state of another transform, or of dreamerv3 with other options?)"
+        )
+    for i, (kind, s) in enumerate(zip(kinds, state, strict=True)):
+        if not isinstance(s, kind):
+            raise ValueError(
+                f"dreamerv3: the state at [{i}] must be a {kind.__name__}, got {describe(s)} "
+                "(the state of another transform, or of dreamerv3 with other options?)"
+            )
+
+
+def _writable(x: Tensor) -> bool:
+    """Whether a donated update buffer takes the new update in place: not tracked by autograd,
+    and at least 32-bit (writing 16-bit data back into the buffer being read measured twice as
+    slow as writing a fresh one)."""
+    return x.element_size() >= 4 and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def _where(cond: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
@@ -132,11 +175,14 @@ def dreamerv3(
     ``[0, 2**31 - 1]`` (the int32 update counter's range); ``momentum``/``nesterov`` bools.
     Tensor hyperparameters (``inject_hyperparams``) are checked for their shape only.
 
-    In eager mode on multi-tensor-ready lists the update runs as one fused function (the chain's
-    ops, fewer passes and allocations, same result); elsewhere (``torch.compile``, ``vmap``, a
-    ``weight_decay_mask``, an update autograd records) it runs the chain itself. Like the
-    chain, it is fusable: :func:`functional_opt.fused`, :func:`functional_opt.fused_step` and
-    ``TransformOptimizer`` compile the chain over packed buffers.
+    In eager mode, over a plain tree of separate tensors with at least
+    :data:`functional_opt.plain_trees.TREE_MIN` elements in all (and params given), the update
+    runs on the engine as :func:`functional_opt.fused`'s does (its chain compiled: the same
+    result to float rounding; the first call compiles); over packed trees the engine compiles
+    its chain over the buffers. Elsewhere (smaller trees, ``torch.compile``, ``vmap``, tensor
+    hyperparameters, a ``weight_decay_mask``, an update autograd records) it runs the chain
+    itself. Like the chain, it is fusable: :func:`functional_opt.fused`,
+    :func:`functional_opt.fused_step` and ``TransformOptimizer`` compile the chain.
     """
     _check_schedule(lr, warmup, schedule, anneal)
     check_agc(agc, pmin, "agc")
@@ -170,22 +216,27 @@ def dreamerv3(
     declare_step_size(reference.update, declared)
     if weight_decay_mask is not None or not _fused:
         return reference
-    hyper = Hyper(agc, pmin, beta1, beta2, eps, weight_decay, momentum, nesterov, sched)
     numbers = (lr, agc, pmin, beta1, beta2, eps, warmup, weight_decay, anneal)
     # (tensor hyperparameters come from inject_hyperparams, which builds a new dreamerv3 on
     # every update: a runner of its own would compile every step)
     engine = None if any(isinstance(x, Tensor) for x in numbers) else Runner(reference)
+    plain = (
+        None
+        if engine is None
+        else PlainTreeStep(reference, engine, updates_only=True, min_numel=plain_trees.TREE_MIN)
+    )
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         if isinstance(updates, Packed):
-            check_state(hyper, state)
+            check_state(momentum, state)
             return _packed_update(engine, reference, updates, state, params, extra)
-        donate, donate_updates = donating(extra), donating_updates(extra)
-        fast = fused_update(hyper, updates, state, params, donate, donate_updates)
-        if fast is not None:
-            return fast
+        if plain is not None and set(extra) <= {DONATE}:
+            check_state(momentum, state)
+            done = plain.update(updates, state, params, donate_mode(extra))
+            if done is not None:
+                return done
         out, new_state = reference.update(updates, state, params, **extra)
         if donating_updates(extra) and torch.compiler.is_compiling():
             out = _into_donated(updates, out)
@@ -227,7 +278,7 @@ def _into_donated(updates: Updates, out: Updates) -> Updates:
     if len({id(x) for x in g}) != len(g) or not _lists.use_foreach(g):
         return out
     for x, y in zip(g, u, strict=True):
-        if x.dtype != y.dtype or x.shape != y.shape or not writable(x):
+        if x.dtype != y.dtype or x.shape != y.shape or not _writable(x):
             return out
     torch._foreach_copy_(g, u)  # type: ignore[misc]
     return at.updates(g)

@@ -43,6 +43,7 @@ from functional_opt.base import (
     accepting,
     apply_updates,
     declare_step_size,
+    donate_mode,
     extra_keywords,
     fusable,
     has_leaf_labels,
@@ -367,17 +368,26 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     training loop of ``fused(tx).update(g, s, p, donate=True)`` and
     ``apply_updates(p, u, donate=True)`` allocates nothing per step.
 
-    Only a fusable ``tx`` (:func:`functional_opt.base.fusable`) over packed trees held in buffers
-    (:func:`functional_opt.pack`) without batch dimensions takes the compiled path (anything
-    else runs ``tx.update`` as it is); there the first call compiles (seconds), and later calls
-    with the same layout and keywords reuse it."""
+    Only a fusable ``tx`` (:func:`functional_opt.base.fusable`) takes the compiled path: over
+    packed trees held in buffers (:func:`functional_opt.pack`) without batch dimensions, and,
+    eagerly with params given, over plain trees (a ``list``, ``dict`` or other tree of separate
+    tensors), which it steps as :func:`fused_step` does (large leaves of a leafwise ``tx`` one
+    compiled call each, the others staged through packed buffers) with the update written into
+    the gradients: donated, or copies of them (and of the state, without donation). Anything
+    else runs ``tx.update`` as it is. The first call compiles (seconds), and later calls with
+    the same layout and keywords reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
+    plain = PlainTreeStep(tx, runner, updates_only=True) if fusable(tx) else None
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
+        if plain is not None and not _buffered(updates) and set(extra) <= {DONATE}:
+            done = plain.update(updates, state, params, donate_mode(extra))
+            if done is not None:
+                return done
         return runner(updates, state, params, extra)
 
     declare_step_size(update_fn, inner_step_size(tx))

@@ -82,6 +82,7 @@ def leaf_step(
     apply: bool = True,
     pack: GivenPack | None = None,
     upcast: bool = False,
+    into_grad: bool = False,
 ) -> Callable[..., None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
@@ -107,6 +108,10 @@ def leaf_step(
     ``upcast``: a 16-bit gradient is fed to the transform in float32 (``TransformOptimizer``'s
     ``upcast_16bit_grads``); inside the compiled step that is a conversion in the pass that
     reads it, not a copy.
+
+    ``into_grad``: the update ``u`` itself is written into ``g`` (donated updates, for the pure
+    API's ``update``: :meth:`functional_opt.plain_trees.PlainTreeStep.update`) and ``p`` is only
+    read; ``ratio`` is not used. ``u`` must have ``g``'s dtype (the caller checks).
 
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
@@ -136,7 +141,9 @@ def leaf_step(
         finally:
             if across:
                 _lists.across_parts(old)
-        if apply:
+        if into_grad:
+            g.copy_(tree.leaves(updates)[0])
+        elif apply:
             u = tree.leaves(updates)[0]
             p.copy_((p + _lists.once(ratio, [u]) * u).to(p.dtype))
         state_in = iter(args[:n_param])

@@ -28,12 +28,14 @@ compile (:func:`functional_opt._kernels.compiles_here`).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, cast
 
 import optree
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_opt import _kernels, _lists, tree
 from functional_opt.base import (
@@ -60,11 +62,17 @@ from functional_opt.leaf_step import (
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
-__all__ = ["LEAF_MIN", "PlainTreeStep"]
+__all__ = ["LEAF_MIN", "TREE_MIN", "PlainTreeStep"]
 
 LEAF_MIN = 1 << 15
 """Leaves of at least this many elements are stepped one at a time (direct); the smaller ones
 are staged (a compiled call's dispatch, 10-40 us, costs more than copying a small leaf)."""
+
+
+TREE_MIN = 1 << 16
+"""``dreamerv3()``'s eager update takes the engine over plain trees of at least this many
+elements in all; smaller ones run its chain op by op (a first call that compiles would cost
+more than the steps it saves)."""
 
 
 class _Staging:
@@ -145,6 +153,11 @@ class _Facts:
         """Whether the staged params may take :func:`functional_opt._lists.add_into`'s fused
         route (where they are contiguous; the staging buffers' views it adds are, and of the
         params' dtypes)."""
+        self.storages = _storages(ps)
+        self.numel = sum(s.numel() for s in self.shapes)
+        self.update_dtypes: dict[Any, bool] = {}
+        """Whether the update gives each leaf its gradient's dtype, by state structure
+        (:meth:`PlainTreeStep._same_dtypes`)."""
         self.labels: tuple[Any, list[Stages] | None] | None = None
         """The tree structure the leaves' labels were read for, and the labels
         (:meth:`PlainTreeStep._labels`)."""
@@ -156,9 +169,21 @@ class PlainTreeStep:
     ``None`` where it does not apply (then the caller runs ``tx.update`` and ``apply_updates``).
     ``runner`` is the engine's compiled step of ``tx`` (:class:`functional_opt.engine.Runner`)."""
 
-    def __init__(self, tx: GradientTransformation, runner: Any) -> None:
+    def __init__(
+        self,
+        tx: GradientTransformation,
+        runner: Any,
+        updates_only: bool = False,
+        min_numel: int = 0,
+    ) -> None:
         self.tx = tx
         self.runner = runner
+        self.updates_only = updates_only
+        """Whether this step only runs :meth:`update` (the params are only read: they may
+        share memory, as the rows of one buffer do)."""
+        self.min_numel = min_numel
+        """Trees of fewer elements in all are not taken (compiling would cost more than it
+        saves)."""
         level = leafwise_level(tx)
         self.leafwise = level > 0
         """Whether large leaves are stepped one at a time (see the module)."""
@@ -188,16 +213,113 @@ class PlainTreeStep:
         facts = self._facts(ps, gs)
         if facts is None:
             return None
+        return self._run(params, ps, gs, spec, facts, state, into_held)
+
+    def update(
+        self, grads: Any, state: OptState, params: Any, donate: bool | str = True
+    ) -> tuple[Any, OptState] | None:
+        """``tx.update(grads, state, params, donate=donate)`` over plain trees: the same steps
+        as a call, with the update itself written into the gradients instead of added into the
+        params, which are only read. What ``donate`` does not donate (the gradients unless it
+        is ``True``, the state too when it is ``False``) is copied first, one multi-tensor copy
+        per tree, and the copies stepped (the caller's tensors are then never written).
+        Returns ``(updates, new_state)``, or ``None`` where it does not apply (as for a call,
+        and also: no params given, gradients that share memory with each other or with a
+        param, an update whose leaves are not of their gradients' dtypes)."""
+        if (
+            params is None
+            or not _kernels.compiles_here()
+            or isinstance(params, Packed)
+            or isinstance(grads, Packed)
+        ):
+            return None
+        ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
+        gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
+        if not ps or grad_spec != spec:
+            return None
+        facts = self._facts(ps, gs)
+        if facts is None or facts.numel < self.min_numel:
+            return None
+        # each gradient is written once, with its own leaf's update: no two may share memory,
+        # nor one with a param (which the same pass reads)
+        if donate is True:
+            storages = _storages(gs)
+            if not storages.isdisjoint(facts.storages) or not (
+                len(storages) == _nonempty(gs) or _apart(gs)
+            ):
+                return None
+        else:
+            gs = _copies(gs)
+            grads = optree.tree_unflatten(spec, gs)
+            if donate is False:
+                leaves, state_spec = optree.tree_flatten(
+                    state, none_is_leaf=True, namespace=tree.NAMESPACE
+                )
+                if not all(x is None or isinstance(x, Tensor) for x in leaves):
+                    return None
+                tensors = [x for x in leaves if x is not None]
+                copied = iter(_copies(tensors))
+                state = optree.tree_unflatten(
+                    state_spec, [None if x is None else next(copied) for x in leaves]
+                )
+        new_state = self._run(params, ps, gs, spec, facts, state, False, (grads, state))
+        return None if new_state is None else (grads, new_state)
+
+    def _same_dtypes(
+        self, facts: _Facts, outline: Any, grads: Any, state: OptState, params: Any
+    ) -> bool:
+        """Whether ``tx.update(grads, state, params)`` gives every leaf its gradient's dtype:
+        found once per set of params and state ``outline``, by running it on ``meta`` copies,
+        or where it cannot run there (an ``.item()``) on the tensors themselves, purely
+        (``False`` if it cannot run at all: its own update then raises the error)."""
+        known = facts.update_dtypes.get(outline)
+        if known is None:
+
+            def meta(x: Any) -> Any:
+                return torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x
+
+            def same(args: tuple[Any, ...]) -> bool:
+                with _Probe():  # type: ignore[no-untyped-call]  # (the engine's routes step aside: compiles_here() is False)
+                    out, _ = self.tx.update(*args)
+                leaves = optree.tree_leaves(out, none_is_leaf=True, namespace=tree.NAMESPACE)
+                return list(map(_DTYPE, leaves)) == facts.dtypes
+
+            try:
+                known = same(tuple(_on(meta, x) for x in (grads, state, params)))
+            except Exception:  # (an update that cannot run on meta)
+                try:
+                    known = same((grads, state, params))
+                except Exception:
+                    known = False
+            facts.update_dtypes[outline] = known
+        return known
+
+    def _run(
+        self,
+        params: Any,
+        ps: list[Tensor],
+        gs: list[Tensor],
+        spec: Any,
+        facts: _Facts,
+        state: OptState,
+        into_held: bool,
+        update_of: tuple[Any, OptState] | None = None,
+    ) -> OptState | None:
+        """The step (``update_of``: the gradients and state of :meth:`update`, whose update is
+        written into the gradients instead)."""
         split = _per_param(state, spec, params, facts.shapes, self.seen)
         if split is None:
             return None
         outer, outer_spec, kinds, per, self.seen = split
+        into_grads = update_of is not None
+        if update_of is not None and not self._same_dtypes(facts, outer_spec, *update_of, params):
+            return None
         large, staged = facts.large, facts.staged
         across = self.reduces and bool(large)  # (all staged: one update of the whole tree)
         # the stages the transform declares for this step (read before anything is written):
         # the large leaves' kernels are compiled and run per stage
         found = stages(self.tx, state) if large else ()
-        if large and self._kernel(outer_spec, kinds, 0, found) is None:
+        if large and self._kernel(outer_spec, kinds, 0, found, into_grads) is None:
             return None  # (a state it cannot rebuild)
         labels = self._labels(params, spec, facts) if large else None
         if large and labels is None and has_leaf_labels(self.tx):
@@ -216,14 +338,18 @@ class PlainTreeStep:
                 )
         new_outer = list(outer)
         if large:
-            kernel = self._kernel(outer_spec, kinds, len(totals or ()), found)
+            kernel = self._kernel(outer_spec, kinds, len(totals or ()), found, into_grads)
             assert kernel is not None
             outs = [torch.empty_like(x) for x in given]
             one = torch.ones((), dtype=torch.float64, device=ps[large[0]].device)
-            kept, code = self.known_kernels(), len(totals or ())
+            kept, code = self.known_kernels(), (len(totals or ()), into_grads)
 
             def step_for(stages_: Stages) -> _kernels.Kernel:
-                out = kernel if stages_ is found else self._kernel(outer_spec, kinds, code, stages_)
+                out = (
+                    kernel
+                    if stages_ is found
+                    else self._kernel(outer_spec, kinds, code[0], stages_, into_grads)
+                )
                 assert out is not None
                 return out
 
@@ -238,7 +364,14 @@ class PlainTreeStep:
         if prepared is not None and loaded is not None:
             with pinned(part):
                 staged_outer = self._run_staged(
-                    prepared, loaded, ps, facts, outer_spec, kinds, totals
+                    prepared,
+                    loaded,
+                    ps,
+                    facts,
+                    outer_spec,
+                    kinds,
+                    totals,
+                    [gs[i] for i in staged] if into_grads else None,
                 )
             positions = iter(range(len(per)))
             for n, (x, k) in enumerate(zip(staged_outer, kinds, strict=True)):
@@ -356,7 +489,7 @@ class PlainTreeStep:
                 return None
             if not all(p.is_floating_point() and p.layout == torch.strided for p in ps):
                 return None
-            if len({p.untyped_storage().data_ptr() for p in ps}) != len(ps):
+            if not self.updates_only and len(_storages(ps)) != _nonempty(ps):
                 return None
             facts = self.known = _Facts(ps, self.leafwise)
         if not set(map(type, gs)) <= _lists._PLAIN:
@@ -374,17 +507,22 @@ class PlainTreeStep:
         return facts
 
     def _kernel(
-        self, outer_spec: Any, kinds: list[str], totals: int, found: Stages
+        self,
+        outer_spec: Any,
+        kinds: list[str],
+        totals: int,
+        found: Stages,
+        into_grads: bool = False,
     ) -> _kernels.Kernel | None:
         """The compiled step of one large leaf for this state's outline, taking ``totals``
         reductions' totals, in the transform's stages ``found`` (``None``: a state it cannot
-        rebuild)."""
+        rebuild); ``into_grads``: writing the update into the gradient (:meth:`update`)."""
         outline = optree.tree_unflatten(outer_spec, kinds)
         spec = optree.tree_structure(outline, namespace=tree.NAMESPACE)
-        key = spec, tuple(kinds), totals, found
+        key = spec, tuple(kinds), totals, found, into_grads
         if key not in self.kernels:
             apply = not zero_updates(self.tx, found)
-            fn = leaf_step(self.tx, outline, kinds, totals, apply)
+            fn = leaf_step(self.tx, outline, kinds, totals, apply, into_grad=into_grads)
             self.kernels[key] = None if fn is None else _kernels.Kernel(fn)
         return self.kernels[key]
 
@@ -474,10 +612,12 @@ class PlainTreeStep:
         outer_spec: Any,
         kinds: list[str],
         totals: list[Tensor] | None,
+        into: list[Tensor] | None = None,
     ) -> list[Any]:
         """The engine's step over the staged leaves (their reductions' totals given, where the
-        large leaves are stepped apart); the updates added into the params. Returns the new
-        state's entries (per-parameter ones as the state buffers' views)."""
+        large leaves are stepped apart); the updates added into the params, or copied into
+        ``into`` (the staged leaves' gradients, for :meth:`PlainTreeStep.update`). Returns the
+        new state's entries (per-parameter ones as the state buffers' views)."""
         staging, states = prepared
         layout = staging.layout
         staged = facts.staged
@@ -502,7 +642,9 @@ class PlainTreeStep:
                 tree.leaves(updates.tree if isinstance(updates, Packed) else updates),
                 False,
             )
-        if not zero:  # (negative zeros leave every param as it is, bit for bit)
+        if into is not None:
+            torch._foreach_copy_(into, views)  # type: ignore[misc]
+        elif not zero:  # (negative zeros leave every param as it is, bit for bit)
             _lists.add_into(staged_ps, views, fused=fused)
         new_entries = outer_spec.flatten_up_to(new_sub)
         positions = iter(range(len(states)))
@@ -542,6 +684,53 @@ class PlainTreeStep:
         if all(map(operator.is_, leaves, old_leaves)):
             return old
         return optree.tree_unflatten(spec, leaves)
+
+
+class _Probe(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A mode that only runs each op: within it no route of the engine compiles anything."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _storages(xs: list[Tensor]) -> set[int]:
+    """The storages of the tensors of ``xs`` that have elements (empty ones share none)."""
+    return {x.untyped_storage().data_ptr() for x in xs if x.numel()}
+
+
+def _nonempty(xs: list[Tensor]) -> int:
+    return sum(1 for x in xs if x.numel())
+
+
+def _apart(xs: list[Tensor]) -> bool:
+    """Whether no two of ``xs`` share an element: those that share a storage are contiguous,
+    and their spans in it do not overlap (the rows of one buffer)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    xs = [x for x in xs if x.numel()]
+    for x in xs:
+        spans.setdefault(x.untyped_storage().data_ptr(), []).append(
+            (int(x.storage_offset()) * x.element_size(), x.numel() * x.element_size())
+        )
+    for x in xs:
+        if len(spans[x.untyped_storage().data_ptr()]) > 1 and not x.is_contiguous():
+            return False
+    for held in spans.values():
+        held.sort()
+        if any(a + n > b for (a, n), (b, _) in itertools.pairwise(held)):
+            return False
+    return True
+
+
+def _copies(xs: list[Tensor]) -> list[Tensor]:
+    """Fresh copies of ``xs`` (one multi-tensor copy)."""
+    out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+    if out:
+        torch._foreach_copy_(out, xs)  # type: ignore[misc]
+    return out
+
+
+def _on(fn: Any, x: Any) -> Any:
+    return optree.tree_map(fn, x, none_is_leaf=True, namespace=tree.NAMESPACE)
 
 
 def _per_param(

@@ -10,14 +10,14 @@ import torch
 from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_ops
 
 import functional_opt as fo
-from functional_opt._dreamerv3_fused import KERNEL_MIN
+from functional_opt.plain_trees import TREE_MIN
 from functional_opt.testing import check_donation
 
 
 def _tree(seed: int, dtype: torch.dtype = torch.float32, big: bool = False) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
-    # ``big``: a leaf large enough for dreamerv3's compiled kernel path
-    rows = KERNEL_MIN // 3 + 1 if big else 4
+    # ``big``: a tree large enough for dreamerv3's eager update on the engine
+    rows = TREE_MIN // 3 + 1 if big else 4
     return {
         "w": torch.randn(rows, 3, generator=g).to(dtype),
         "b": [torch.randn(3, generator=g).to(dtype)],
@@ -78,10 +78,13 @@ def test_donation_reuses_moment_buffers(name: str) -> None:
     tx = TRANSFORMS[name]()
     params = _tree(0)
     state = tx.init(params)
+    kept_params = [x.clone() for x in _leaves(params)]
+    # (dreamerv3's engine moves the staged leaves' state into its packed buffers on the first
+    # update, and then steps them there: from the second update on, every buffer is reused)
+    _, state = tx.update(_tree(2), state, params, donate=True)
     grads = _tree(1)
     big = [x for x in _leaves(state) if x.dim() > 0]
     ptrs = {x.data_ptr() for x in big}
-    kept_params = [x.clone() for x in _leaves(params)]
     _, new_state = tx.update(grads, state, params, donate=True)
     assert {x.data_ptr() for x in _leaves(new_state) if x.dim() > 0} == ptrs
     assert_bitwise(_leaves(params), kept_params, "donated update wrote the params")
@@ -167,11 +170,12 @@ def test_apply_updates_donated_stays_pure_where_in_place_is_unsafe() -> None:
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dreamerv3_runs_use_flat_params_and_gradients_in_place(
-    dtype: torch.dtype, weight_decay: float
+    dtype: torch.dtype, weight_decay: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Params and gradients kept as the rows of one buffer each (as a flat-buffer training loop
-    # keeps them): the stacked run reads them where they are, and a donated gradient buffer
+    # keeps them): the engine reads them where they are, and a donated gradient buffer
     # takes the update. The same bits as separate tensors, and as the unfused chain to rounding.
+    monkeypatch.setattr(fo.plain_trees, "TREE_MIN", 1)  # (the engine for this small tree)
     tx = fo.dreamerv3(1e-2, warmup=1, weight_decay=weight_decay)
     chain = fo.dreamerv3(1e-2, warmup=1, weight_decay=weight_decay, _fused=False)
     gen = torch.Generator().manual_seed(3)

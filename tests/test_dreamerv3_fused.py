@@ -1,6 +1,7 @@
-"""dreamerv3's fused eager update equals its reference chain (bit for bit in float32/64 for
-small leaves; to the rounding bound of ``tests/conftest.py`` for 16-bit leaves and for the
-leaves of the compiled kernels)."""
+"""dreamerv3's eager update over plain trees, which the engine runs (its chain compiled:
+:meth:`functional_opt.plain_trees.PlainTreeStep.update`), equals its reference chain run op
+by op, to the rounding bound of ``tests/conftest.py`` (compiled code may fuse ``a * b + c``),
+and gives the same bits whatever is donated."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_leaf_ops
 
 import functional_opt as fo
-from functional_opt._dreamerv3_fused import KERNEL_MIN
+from functional_opt.plain_trees import LEAF_MIN
 
 OPTIONS = [
     {},
@@ -54,18 +55,16 @@ def test_fused_equals_chain(options: dict[str, object], dtype: torch.dtype, dona
         u_fused, s_fused = fused.update(grads, s_fused, params, **extra)
         got = [x for x in fo.tree.leaves((u_fused, s_fused)) if x is not None]
         want = [x for x in fo.tree.leaves((u_chain, s_chain)) if x is not None]
-        if dtype == torch.bfloat16:
-            ops = dreamerv3_leaf_ops(dtype, steps=step + 1)
-            scale = [x for x in fo.tree.leaves(mags) if x is not None]
-            assert_close_rounding(got, want, dtype=dtype, ops=ops, scale=scale)
-        else:
-            assert_bitwise(got, want)
+        ops = dreamerv3_leaf_ops(dtype, steps=step + 1)
+        scale = [x for x in fo.tree.leaves(mags) if x is not None]
+        assert_close_rounding(got, want, dtype=dtype, ops=ops, scale=scale)
         assert u_fused["b"][0] is None if step % 3 == 1 else True
         params = fo.apply_updates(params, u_chain)
 
 
-# Large leaves take the compiled single-pass kernel: equal to the chain to float rounding, and
-# the same bits whether or not state and updates are donated.
+# Large leaves take the engine's direct route (one compiled call each), the others its staged
+# one: equal to the chain to float rounding, and the same bits whether or not state and
+# updates are donated.
 KERNEL_OPTIONS = [
     {},
     {"agc": 0.0},
@@ -121,15 +120,15 @@ def _big(gen: torch.Generator, dtype: torch.dtype, step: int = 0) -> dict[str, o
     # two leaves large enough for a kernel call each, and a small one
     del step
     return {
-        "w": (torch.randn(KERNEL_MIN // 64, 64, generator=gen) * 0.3).to(dtype),
-        "v": (torch.randn(KERNEL_MIN + 5, generator=gen) * 0.3).to(dtype),
+        "w": (torch.randn(LEAF_MIN // 64, 64, generator=gen) * 0.3).to(dtype),
+        "v": (torch.randn(LEAF_MIN + 5, generator=gen) * 0.3).to(dtype),
         "small": torch.randn(7, generator=gen).to(dtype),
     }
 
 
 def _many(gen: torch.Generator, dtype: torch.dtype, step: int = 0) -> dict[str, object]:
-    # runs of small leaves (stacked into one kernel call each; every third step one leaf has no
-    # gradient, so that run is shorter) plus a loner of its own shape
+    # runs of small leaves (staged through packed buffers; every third step one leaf has no
+    # gradient, and the chain runs) plus a loner of its own shape
     return {
         "mats": [(torch.randn(7, 5, generator=gen) * 0.3).to(dtype) for _ in range(6)],
         "vecs": [
@@ -180,19 +179,17 @@ def test_kernel_paths_match_chain_and_donation(
 
 @pytest.mark.numerics
 def test_kernel_falls_back_to_eager_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from functional_opt import _kernels
+    import torch._inductor.compile_fx as inductor
 
     def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(_kernels, "_COMPILED", {})
-    monkeypatch.setattr(_kernels, "_FAILED", set())
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(inductor, "compile_fx", broken)
     tx, chain = fo.dreamerv3(1e-2, warmup=0), fo.dreamerv3(1e-2, warmup=0, _fused=False)
     gen = torch.Generator().manual_seed(2)
     params = _big(gen, torch.float32)
     grads = _big(gen, torch.float32)
-    with pytest.warns(RuntimeWarning, match="running it eagerly"):
+    with pytest.warns(RuntimeWarning, match="eagerly"):
         u, _ = tx.update(grads, tx.init(params), params)
     want, _ = chain.update(grads, chain.init(params), params)
     scale, _ = MagnitudeRun(chain, params).update(grads, params)

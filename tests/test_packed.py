@@ -19,8 +19,10 @@ from conftest import (
 
 import functional_opt as fo
 import functional_opt.packed as packed_module
-from functional_opt._dreamerv3_fused import KERNEL_MIN, RUN_MIN
 from functional_opt.packed import ALIGN, Layout, Packed
+from functional_opt.plain_trees import LEAF_MIN as KERNEL_MIN
+
+RUN_MIN = 4  # (a run of small leaves of one shape)
 
 Make = Callable[[torch.Generator, torch.dtype], dict[str, Any]]
 
