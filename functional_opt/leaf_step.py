@@ -82,7 +82,7 @@ def leaf_step(
     apply: bool = True,
     pack: GivenPack | None = None,
     upcast: bool = False,
-    into_grad: bool = False,
+    into: str | None = None,
 ) -> Callable[..., None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
@@ -109,9 +109,11 @@ def leaf_step(
     ``upcast_16bit_grads``); inside the compiled step that is a conversion in the pass that
     reads it, not a copy.
 
-    ``into_grad``: the update ``u`` itself is written into ``g`` (donated updates, for the pure
-    API's ``update``: :meth:`functional_opt.plain_trees.PlainTreeStep.update`) and ``p`` is only
-    read; ``ratio`` is not used. ``u`` must have ``g``'s dtype (the caller checks).
+    ``into``: the update ``u`` itself is written, for the pure API's ``update``
+    (:meth:`functional_opt.plain_trees.PlainTreeStep.update`), into ``g`` (``"grad"``: donated
+    updates) or into the third argument, a tensor of ``g``'s shape and dtype, in place of
+    ``ratio`` (``"out"``); ``p`` is only read. ``u`` must have ``g``'s dtype (the caller
+    checks).
 
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
@@ -141,8 +143,10 @@ def leaf_step(
         finally:
             if across:
                 _lists.across_parts(old)
-        if into_grad:
+        if into == "grad":
             g.copy_(tree.leaves(updates)[0])
+        elif into == "out":
+            ratio.copy_(tree.leaves(updates)[0])
         elif apply:
             u = tree.leaves(updates)[0]
             p.copy_((p + _lists.once(ratio, [u]) * u).to(p.dtype))
