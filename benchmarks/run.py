@@ -381,6 +381,16 @@ def heavyball_adamw(params: list[torch.nn.Parameter]) -> Step | None:
     return lambda: opt.step()
 
 
+PURE_PLAIN = (
+    "adam",
+    "adamw",
+    "sgd momentum",
+    "dreamerv3",
+    "chain(clip_by_global_norm, adamw)",
+    "apply_if_finite(chain(clip_by_global_norm, adamw))",
+)
+"""The chains whose pure update and ``fused_step`` over plain trees the bench times."""
+
 METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "Adam fused": lambda ps: torch_adam(ps, fused=True),
     "Adam foreach": lambda ps: torch_adam(ps, foreach=True),
@@ -423,14 +433,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
         f"ours: pure fused {c}, plain trees, donated": functools.partial(
             ours_pure_chain, chain=c, engine=True, packed=False
         )
-        for c in (
-            "adam",
-            "adamw",
-            "sgd momentum",
-            "dreamerv3",
-            "chain(clip_by_global_norm, adamw)",
-            "apply_if_finite(chain(clip_by_global_norm, adamw))",
-        )
+        for c in PURE_PLAIN
     },
     **{
         f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)
@@ -441,13 +444,8 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
             ours_fused_step, chain=c, packed=False
         )
         for c in (
-            "adam",
-            "adamw",
-            "sgd momentum",
-            "dreamerv3",
-            "chain(clip_by_global_norm, adamw)",
+            *PURE_PLAIN,
             "adamw, no decay on vectors",
-            "apply_if_finite(chain(clip_by_global_norm, adamw))",
             "MultiSteps(adamw, 4), a mini-step",
             "partition(adam: matrices, sgd momentum: vectors)",
         )

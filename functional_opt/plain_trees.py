@@ -207,6 +207,17 @@ class PlainTreeStep:
         """``into_held``: the caller keeps no state this step returned (it copies the returned
         state where it wants it), so the staged leaves' state is copied into the buffers already
         held instead of new ones."""
+        leaves = self._leaves(params, grads)
+        if leaves is None:
+            return None
+        ps, gs, spec, facts = leaves
+        return self._run(params, ps, gs, spec, facts, state, into_held)
+
+    def _leaves(
+        self, params: Any, grads: Any
+    ) -> tuple[list[Tensor], list[Tensor], Any, _Facts] | None:
+        """The params' and gradients' leaves, their structure and what is known of the params;
+        ``None`` where the step does not apply (see :meth:`_facts`)."""
         if not _kernels.compiles_here() or isinstance(params, Packed) or isinstance(grads, Packed):
             return None
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
@@ -214,9 +225,7 @@ class PlainTreeStep:
         if not ps or grad_spec != spec:
             return None
         facts = self._facts(ps, gs)
-        if facts is None:
-            return None
-        return self._run(params, ps, gs, spec, facts, state, into_held)
+        return None if facts is None else (ps, gs, spec, facts)
 
     def update(
         self, grads: Any, state: OptState, params: Any, donate: bool | str = True
@@ -230,19 +239,11 @@ class PlainTreeStep:
         Returns ``(updates, new_state)``, or ``None`` where it does not apply (as for a call,
         and also: no params given, gradients that share memory with each other or with a
         param, an update whose leaves are not of their gradients' dtypes)."""
-        if (
-            params is None
-            or not _kernels.compiles_here()
-            or isinstance(params, Packed)
-            or isinstance(grads, Packed)
-        ):
+        leaves = None if params is None else self._leaves(params, grads)
+        if leaves is None:
             return None
-        ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
-        gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
-        if not ps or grad_spec != spec:
-            return None
-        facts = self._facts(ps, gs)
-        if facts is None or facts.numel < self.min_numel:
+        ps, gs, spec, facts = leaves
+        if facts.numel < self.min_numel:
             return None
         # each gradient is written once, with its own leaf's update: no two may share memory,
         # nor one with a param (which the same pass reads)
@@ -253,15 +254,14 @@ class PlainTreeStep:
             ):
                 return None
         elif donate is False:
-            leaves, state_spec = optree.tree_flatten(
+            held, state_spec = optree.tree_flatten(
                 state, none_is_leaf=True, namespace=tree.NAMESPACE
             )
-            if not all(x is None or isinstance(x, Tensor) for x in leaves):
+            if not all(x is None or isinstance(x, Tensor) for x in held):
                 return None
-            tensors = [x for x in leaves if x is not None]
-            copied = iter(_copies(tensors))
+            copied = iter(_copies([x for x in held if x is not None]))
             state = optree.tree_unflatten(
-                state_spec, [None if x is None else next(copied) for x in leaves]
+                state_spec, [None if x is None else next(copied) for x in held]
             )
         # Each update goes into its gradient when donated, except a large 16-bit one: written
         # over the gradient it is computed from, in the same pass, it measured 2.5x slower than

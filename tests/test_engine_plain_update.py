@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import DREAMERV3_ELEMENTWISE_OPS, ELEMENTWISE_OPS, assert_bitwise
 from conftest import assert_close_rounding as close
+from test_engine_direct import _plain
 from torch import Tensor
 
 import functional_opt as fo
@@ -36,15 +37,6 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "injected-adam": lambda: fo.inject_hyperparams(fo.adam)(learning_rate=1e-2),
     "dreamerv3": lambda: fo.dreamerv3(1e-2, warmup=2, _fused=False),
 }
-
-
-def _plain(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "w": [torch.randn(s, generator=gen, dtype=dtype) for s in [(40, 30), (30, 40)]],
-        "b": [torch.randn(s, generator=gen, dtype=dtype) for s in [(30,), (40,)]],
-        "head": torch.randn(50, 24, generator=gen, dtype=dtype),
-    }
 
 
 def _tensors(x: Any) -> list[Tensor]:
