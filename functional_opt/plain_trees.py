@@ -377,7 +377,7 @@ class PlainTreeStep:
                         into, third = ("grad", one) if dests[i] is gs[i] else ("out", dests[i])
                     args = (gs[i], ps[i], third, *state_i, *given, *outs, *(totals or ()))
                     label = () if labels is None else labels[i]  # (a mask's flag)
-                    labelled_call(step_for(into), kept, (i, count, into), found, label, args)
+                    labelled_call(step_for(into), kept, (i, (count, into)), found, label, args)
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:

@@ -27,8 +27,6 @@ from functional_opt.plain_trees import PlainTreeStep
 
 CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "adam": lambda: fo.adam(1e-2),
-    "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
-    "sgd-momentum": lambda: fo.sgd(1e-2, 0.9),
     "clip-adamw": lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, weight_decay=0.1)),
     "apply-if-finite": lambda: fo.apply_if_finite(
         fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)), 3
@@ -59,10 +57,11 @@ class _Routes:
 
 
 # (large leaves: the direct route and the staged one; all staged: the staged one alone, for
-# the transforms whose update looks across leaves or skips)
-CASES = [(name, True) for name in sorted(CHAINS)] + [
-    (name, False) for name in ("apply-if-finite", "clip-adamw", "multi-steps")
-]
+# transforms whose update looks across leaves or skips; adamw and sgd take adam's routes.)
+CASES = [
+    (name, True)
+    for name in ("adam", "clip-adamw", "apply-if-finite", "multi-steps", "injected-adam")
+] + [("dreamerv3", True), ("clip-adamw", False), ("multi-steps", False)]
 
 
 @pytest.mark.numerics
