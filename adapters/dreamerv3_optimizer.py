@@ -17,7 +17,7 @@ from torch import Tensor
 from functional_opt import _lists
 from functional_opt.dreamerv3 import dreamerv3
 
-from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params, overlapping
+from .flat_dreamerv3 import FlatBucket, eligible_options, eligible_params
 from .transform_optimizer import TransformOptimizer, _Layout
 
 __all__ = ["DreamerV3Optimizer"]
@@ -215,7 +215,7 @@ class DreamerV3Optimizer(TransformOptimizer):
             by_kind.setdefault((p.device, p.dtype), []).append(i)
         shared: set[int] = set()
         if not own:
-            for cluster in overlapping(tensors):
+            for cluster in _lists.overlapping(tensors):
                 if len({(tensors[i].device, tensors[i].dtype) for i in cluster}) > 1:
                     return None  # memory shared across dtypes: the generic path's order
                 shared.update(cluster)

@@ -69,7 +69,7 @@ from functional_opt._kernels import apply_kernel, update_kernel, update_kernel_d
 from functional_opt.transforms.clipping import agc_factors_from_norms
 from functional_opt.transforms.moments import moment_dtype
 
-__all__ = ["FlatBucket", "eligible_options", "eligible_params", "overlapping"]
+__all__ = ["FlatBucket", "eligible_options", "eligible_params"]
 
 
 def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -171,35 +171,6 @@ def _local(x: Tensor) -> Tensor:
     """A ``DTensor``'s local shard (the shard itself, not a copy), or ``x``."""
     local: Tensor = getattr(x, "_local_tensor", x)
     return local
-
-
-def overlapping(params: Sequence[Tensor]) -> list[list[int]]:
-    """Groups of indices of params whose memory may overlap (weights tied by storage, views of
-    one another), each with at least two members. Conservative: each param counts as the whole
-    address range from its first to its last element, and params chained by overlaps form one
-    group."""
-    spans = []
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        size = p.element_size()
-        start = p.untyped_storage().data_ptr() + int(p.storage_offset()) * size
-        last = sum((n - 1) * s for n, s in zip(p.shape, p.stride(), strict=True))
-        spans.append((start, start + (last + 1) * size, i))
-    spans.sort()
-    out: list[list[int]] = []
-    cluster: list[int] = []
-    end = -1
-    for start, stop, i in spans:
-        if start >= end:
-            if len(cluster) > 1:
-                out.append(sorted(cluster))
-            cluster, end = [], stop
-        cluster.append(i)
-        end = max(end, stop)
-    if len(cluster) > 1:
-        out.append(sorted(cluster))
-    return out
 
 
 class Run(NamedTuple):

@@ -93,8 +93,6 @@ from functional_opt.leaf_step import (
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
-from .flat_dreamerv3 import overlapping
-
 _GRAD = operator.attrgetter("grad")
 
 APPLY_INSIDE_MAX = 4
@@ -542,7 +540,7 @@ class PackedGroup:
             or self.labels is not None
             or not leafwise(self.tx)
             or len(self.rest) <= APPLY_INSIDE_MAX
-            or any(len(c) > 1 for c in overlapping([params[i] for i in self.rest]))
+            or any(len(c) > 1 for c in _lists.overlapping([params[i] for i in self.rest]))
             or rows_step(self.tx, self.outline, [k for k, _ in self.slots], False, GivenPack([]))
             is None  # (a state it cannot rebuild)
         ):
@@ -1078,7 +1076,7 @@ def direct_params(tx: GradientTransformation, params: Sequence[Tensor], least: i
     its gradient into a buffer and its update out of one (two passes over its memory)."""
     if not leafwise(tx, reductions=True):
         return []
-    shared = {i for cluster in overlapping(params) for i in cluster}
+    shared = {i for cluster in _lists.overlapping(params) for i in cluster}
     return [
         i
         for i, p in enumerate(params)

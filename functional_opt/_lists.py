@@ -73,6 +73,35 @@ def tracked(*lists: Sequence[Tensor]) -> bool:
     return any(any(column(xs, "requires_grad")) for xs in lists)
 
 
+def overlapping(params: Sequence[Tensor]) -> list[list[int]]:
+    """Groups of indices of params whose memory may overlap (weights tied by storage, views of
+    one another), each with at least two members. Conservative: each param counts as the whole
+    address range from its first to its last element, and params chained by overlaps form one
+    group."""
+    spans = []
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        size = p.element_size()
+        start = p.untyped_storage().data_ptr() + int(p.storage_offset()) * size
+        last = sum((n - 1) * s for n, s in zip(p.shape, p.stride(), strict=True))
+        spans.append((start, start + (last + 1) * size, i))
+    spans.sort()
+    out: list[list[int]] = []
+    cluster: list[int] = []
+    end = -1
+    for start, stop, i in spans:
+        if start >= end:
+            if len(cluster) > 1:
+                out.append(sorted(cluster))
+            cluster, end = [], stop
+        cluster.append(i)
+        end = max(end, stop)
+    if len(cluster) > 1:
+        out.append(sorted(cluster))
+    return out
+
+
 def column(xs: Sequence[Any], attr: str) -> list[Any]:
     """``[getattr(x, attr) for x in xs]``: a C-level loop in eager mode (trees of thousands of
     leaves are common), a plain one under ``torch.compile`` (which cannot trace

@@ -28,7 +28,6 @@ compile (:func:`functional_opt._kernels.compiles_here`).
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, cast
 
@@ -250,7 +249,7 @@ class PlainTreeStep:
         if donate is True:
             storages = _storages(gs)
             if not storages.isdisjoint(facts.storages) or not (
-                len(storages) == _nonempty(gs) or _apart(gs)
+                len(storages) == _nonempty(gs) or not _lists.overlapping(gs)
             ):
                 return None
         elif donate is False:
@@ -719,25 +718,6 @@ def _storages(xs: list[Tensor]) -> set[int]:
 
 def _nonempty(xs: list[Tensor]) -> int:
     return sum(1 for x in xs if x.numel())
-
-
-def _apart(xs: list[Tensor]) -> bool:
-    """Whether no two of ``xs`` share an element: those that share a storage are contiguous,
-    and their spans in it do not overlap (the rows of one buffer)."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    xs = [x for x in xs if x.numel()]
-    for x in xs:
-        spans.setdefault(x.untyped_storage().data_ptr(), []).append(
-            (int(x.storage_offset()) * x.element_size(), x.numel() * x.element_size())
-        )
-    for x in xs:
-        if len(spans[x.untyped_storage().data_ptr()]) > 1 and not x.is_contiguous():
-            return False
-    for held in spans.values():
-        held.sort()
-        if any(a + n > b for (a, n), (b, _) in itertools.pairwise(held)):
-            return False
-    return True
 
 
 def _copies(xs: list[Tensor]) -> list[Tensor]:

@@ -175,21 +175,11 @@ def adaptive_grad_clip(
     return stateless(apply)
 
 
-def agc_factors(
-    g: list[Tensor], p: list[Tensor], clip: float | Tensor, pmin: float | Tensor
-) -> list[Tensor]:
-    """Per-tensor DreamerV3 clip factors ``1 / max(1, ||u|| / (clip * max(pmin, ||p||)))``
-    (1 where ``clip == 0``)."""
-    # one call for both lists: the norms of sharded (DTensor) leaves resolve in one collective
-    both = _lists.stack(_lists.norms([*g, *p]))
-    unorm, pnorm = both[: len(g)], both[len(g) :]
-    return list(agc_factors_from_norms(unorm, pnorm, clip, pmin).unbind())
-
-
 def agc_factors_from_norms(
     unorm: Tensor, pnorm: Tensor, clip: float | Tensor, pmin: float | Tensor
 ) -> Tensor:
-    """:func:`agc_factors` from stacked update and param norms."""
+    """Per-tensor DreamerV3 clip factors ``1 / max(1, ||u|| / (clip * max(pmin, ||p||)))``
+    (1 where ``clip == 0``), from stacked update and param norms."""
     upper = clip * torch.clamp(pnorm, min=pmin)
     factor = 1.0 / torch.clamp(unorm / upper, min=1.0)
     if isinstance(clip, Tensor):
