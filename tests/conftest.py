@@ -79,6 +79,19 @@ NUMERICS = "numerics"
 flat DreamerV3 paths, compiled updates, oracle comparisons): ``make test`` runs them twice."""
 
 
+def second_path(values: Sequence[str], *, on: Sequence[str]) -> list[object]:
+    """``values`` for ``pytest.mark.parametrize`` (each its own id), the :data:`NUMERICS` mark on
+    those in ``on`` only: the second CPU code path reruns the cases that cover its code (each
+    case compiles its transform again there, for another vector ISA, with a cold cache)."""
+    missing = set(on) - set(values)
+    if missing:
+        raise ValueError(f"second_path: {sorted(missing)} are not among the values")
+    return [
+        pytest.param(v, id=v, marks=[getattr(pytest.mark, NUMERICS)] if v in on else [])
+        for v in values
+    ]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

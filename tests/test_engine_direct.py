@@ -22,6 +22,7 @@ from conftest import (
     assert_bitwise,
     assert_close_rounding,
     assert_same_steps_then_sync,
+    second_path,
     step_with_grads,
 )
 from torch import Tensor
@@ -158,8 +159,9 @@ MAKERS: dict[str, tuple[Callable[[Any], TransformOptimizer], int]] = {
 }
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("name", list(MAKERS))
+# (the second CPU code path: dreamerv3's per-leaf norms and clip-adamw's global one; the others
+# are the same route over simpler math)
+@pytest.mark.parametrize("name", second_path(list(MAKERS), on=["dreamerv3", "clip-adamw"]))
 def test_large_params_step_in_their_own_storage_like_the_per_tensor_path(name: str) -> None:
     """Lockstep with the per-tensor path (the engine's params reset to the reference's after
     each step, so each update is compared alone): the large params take the direct route, the
@@ -291,9 +293,9 @@ def test_a_group_of_only_large_params_steps_them_all_directly() -> None:
         assert_bitwise(mine[k], theirs[k])
 
 
-@pytest.mark.numerics
 # (the route does not depend on the transform: the one with reductions, whose totals the small
-# params join; dreamerv3's direct steps are in the lockstep above)
+# params join; dreamerv3's direct steps are in the lockstep above, which also covers this math
+# on the second CPU code path)
 @pytest.mark.parametrize("name", ["clip-adamw"])
 def test_few_small_params_beside_large_ones_step_directly_too(name: str) -> None:
     """With the default ``direct_rest_max``, the few small params beside the large ones (the
@@ -430,10 +432,12 @@ class _Calls:
         monkeypatch.setattr(fo.engine._kernels.Kernel, "kept_call", spy)
 
 
-@pytest.mark.numerics
 # (adam with and without injected hyperparameters; dreamerv3, which reads the params and takes
-# per-leaf norms; adamw and sgd are the same route, in the adapter's lockstep above)
-@pytest.mark.parametrize("name", ["adam", "dreamerv3", "injected-adam"])
+# per-leaf norms, also on the second CPU code path; adamw and sgd are the same route, in the
+# adapter's lockstep above)
+@pytest.mark.parametrize(
+    "name", second_path(["adam", "dreamerv3", "injected-adam"], on=["dreamerv3"])
+)
 def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -473,8 +477,7 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
     assert [x.data_ptr() for x in tree.leaves(state) if x.ndim] == state_ptrs
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("route", ["fused_step", "adapter"])
+@pytest.mark.parametrize("route", second_path(["fused_step", "adapter"], on=["fused_step"]))
 def test_a_mini_step_only_accumulates_and_writes_no_param(
     route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -593,8 +596,9 @@ def test_two_fused_steps_of_one_transform_both_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("name", sorted(NOT_LEAFWISE))
+@pytest.mark.parametrize(
+    "name", second_path(sorted(NOT_LEAFWISE), on=["global-norm-clip", "multi-steps"])
+)
 def test_fused_step_stages_a_transform_that_is_not_leafwise(name: str) -> None:
     """A fusable transform that is not leafwise (a global norm, a mask over the tree, a guard,
     mini-steps) over a plain tree: every leaf staged in the tree's own structure (a mask sees
@@ -721,12 +725,9 @@ _GIVEN_REDUCTIONS: dict[str, Callable[[], fo.GradientTransformation]] = {
 
 @pytest.mark.parametrize(
     "name",
-    # (on the CPU's second code path too, but for the finite check: its count is exact, and its
-    # norm is that of clip-adamw, for the suite's time)
-    [
-        pytest.param(n, marks=() if n.startswith("finite") else pytest.mark.numerics)
-        for n in sorted(_GIVEN_REDUCTIONS)
-    ],
+    # (on the CPU's second code path: clip-adamw; the finite check's count is exact, and the
+    # other norm is a pass like clip-adamw's, for the suite's time)
+    second_path(sorted(_GIVEN_REDUCTIONS), on=["clip-adamw"]),
 )
 def test_fused_step_steps_large_leaves_directly_given_the_reductions(
     name: str, monkeypatch: pytest.MonkeyPatch

@@ -308,15 +308,26 @@ def test_packed_update_equals_the_per_leaf_path_pure_and_donated() -> None:
     _check_packed_update(_rows, {}, flags=(None, "state", True))
 
 
-@pytest.mark.numerics
-@pytest.mark.parametrize("options", OPTIONS[1:])
+@pytest.mark.parametrize(
+    "options",
+    # (the second CPU code path: the first; each compiles dreamerv3 again there)
+    [
+        pytest.param(o, marks=[pytest.mark.numerics] if k == 0 else [])
+        for k, o in enumerate(OPTIONS[1:])
+    ],
+)
 def test_packed_update_with_options_equals_the_per_leaf_path(options: dict[str, Any]) -> None:
     _check_packed_update(_rows, options)
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize(
-    "make", [_big, _big_rows, _mixed], ids=["large-leaves", "large-rows", "mixed"]
+    "make",
+    # (the second CPU code path: the mixed layout, large leaves beside rows of small ones)
+    [
+        pytest.param(_big, id="large-leaves"),
+        pytest.param(_big_rows, id="large-rows"),
+        pytest.param(_mixed, id="mixed", marks=pytest.mark.numerics),
+    ],
 )
 def test_packed_update_of_every_layout_equals_the_per_leaf_path(make: Make) -> None:
     # "mixed": leaves of one shape that are not consecutive in the tree, several sizes, a
