@@ -793,9 +793,9 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     ]
     xs = [pvals[i] for i in idx]
     us = [uvals[i] for i in idx]
-    _check_updates(where, idx, xs, us)
-    if donate and _in_place_ok(xs, us):
-        _add_in_place(xs, us)
+    dtypes = _check_updates(where, idx, xs, us)
+    if donate and _in_place_ok(xs, us, dtypes):
+        _add_in_place(xs, us, dtypes[0])
         return params
     new = _lists.like(_lists.add(xs, us), xs)
     out = list(pvals)
@@ -804,11 +804,14 @@ def apply_updates(params: Params, updates: Updates, *, donate: bool = False) -> 
     return tree.unflatten(spec, out)
 
 
-def _check_updates(where: tree.Leaves, idx: list[int], xs: list[Tensor], us: list[Tensor]) -> None:
+def _check_updates(
+    where: tree.Leaves, idx: list[int], xs: list[Tensor], us: list[Tensor]
+) -> tuple[list[torch.dtype], list[torch.dtype]]:
     """Each update has its param's shape (nothing is broadcast), is floating point or complex,
     and is real where the param is real (a cast would drop the imaginary part): else a
     ``ValueError``/``TypeError`` naming the leaf. Lists of shapes and dtypes are compared (a
-    Python comparison per leaf); no tensor is read."""
+    Python comparison per leaf); no tensor is read. Returns the params' and the updates'
+    dtypes (read once per step: over 2000 leaves each list costs as much as a small kernel)."""
     try:
         pshapes, ushapes = _lists.column(xs, "shape"), _lists.column(us, "shape")
     except AttributeError:
@@ -828,9 +831,9 @@ def _check_updates(where: tree.Leaves, idx: list[int], xs: list[Tensor], us: lis
                     f"the param has shape {tuple(ps)}: shapes must be equal (nothing is "
                     "broadcast)"
                 )
-    udtypes = set(_lists.column(us, "dtype"))
-    if udtypes <= _FLOATS:
-        return
+    dtypes = (_lists.column(xs, "dtype"), _lists.column(us, "dtype"))
+    if set(dtypes[1]) <= _FLOATS:
+        return dtypes
     for i, p, u in zip(idx, xs, us, strict=True):
         if not (u.dtype.is_floating_point or u.dtype.is_complex):
             raise TypeError(
@@ -842,6 +845,7 @@ def _check_updates(where: tree.Leaves, idx: list[int], xs: list[Tensor], us: lis
                 f"apply_updates: the update at {where.path(i)} is complex ({u.dtype}) but the "
                 f"param is real ({p.dtype}): the imaginary part would be lost"
             )
+    return dtypes
 
 
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -869,12 +873,16 @@ def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | Non
 _NARROW = frozenset((torch.bfloat16, torch.float16))
 
 
-def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
+def _add_in_place(
+    xs: list[Tensor], us: list[Tensor], dtypes: list[torch.dtype] | None = None
+) -> None:
     """``x += u`` for each pair: large 16-bit pairs of one dtype through a compiled kernel
     (eager 16-bit adds measured twice as slow; the sums are the same, rounded once from
-    float32), the rest with one multi-tensor add."""
+    float32), the rest with one multi-tensor add. ``dtypes``: the ``xs``' dtypes, if known."""
     rest: list[int] | range = range(len(xs))
-    if not torch.compiler.is_compiling() and not _NARROW.isdisjoint(_lists.column(xs, "dtype")):
+    if dtypes is None:
+        dtypes = _lists.column(xs, "dtype")
+    if not torch.compiler.is_compiling() and not _NARROW.isdisjoint(dtypes):
         narrow = [
             i
             for i, (x, u) in enumerate(zip(xs, us, strict=True))
@@ -893,16 +901,24 @@ def _add_in_place(xs: list[Tensor], us: list[Tensor]) -> None:
         torch._foreach_add_([xs[i] for i in rest], [us[i] for i in rest])
 
 
-def _in_place_ok(xs: list[Tensor], us: list[Tensor]) -> bool:
+def _in_place_ok(
+    xs: list[Tensor],
+    us: list[Tensor],
+    dtypes: tuple[list[torch.dtype], list[torch.dtype]] | None = None,
+) -> bool:
+    """Whether ``x += u`` may write each param. ``dtypes``: the params' and the updates' dtypes,
+    given by a caller that has already found each update's shape equal to its param's."""
     if not (_lists.use_foreach(xs) and _lists.use_foreach(us)):
         return False
     if len({id(x) for x in xs}) != len(xs):
         return False  # a param twice in the tree: each sum must see the old value
     if torch.is_grad_enabled() and _lists.tracked(xs, us):
         return False  # autograd may need the old values, and leaves refuse in-place ops
-    if _lists.column(xs, "shape") != _lists.column(us, "shape"):
-        return False
-    pdtypes, udtypes = _lists.column(xs, "dtype"), _lists.column(us, "dtype")
+    if dtypes is None:
+        if _lists.column(xs, "shape") != _lists.column(us, "shape"):
+            return False
+        dtypes = (_lists.column(xs, "dtype"), _lists.column(us, "dtype"))
+    pdtypes, udtypes = dtypes
     return pdtypes == udtypes or all(
         p == torch.promote_types(p, u) for p, u in zip(pdtypes, udtypes, strict=True)
     )

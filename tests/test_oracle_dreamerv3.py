@@ -116,16 +116,36 @@ def _params(seed):
     return params
 
 
-COMBOS = list(
-    itertools.product(
-        [True, False],  # momentum
-        [False, True],  # nesterov
-        ["none", "all", "mask"],  # weight decay
-        ["const", "linear", "cosine"],
-        [0, WARMUP],
-        [0.0, 0.3],  # agc
-    )
+FACTORS = (
+    [True, False],  # momentum
+    [False, True],  # nesterov
+    ["none", "all", "mask"],  # weight decay
+    ["const", "linear", "cosine"],
+    [0, WARMUP],
+    [0.0, 0.3],  # agc
 )
+ALL_COMBOS = list(itertools.product(*FACTORS))
+
+
+def covering_pairs(combos: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    """A few of ``combos`` in which every pair of values of two factors occurs: the first and
+    the last combo, then greedily the one that covers most pairs not yet covered (the first of
+    equals). All 144 combinations took 33 s; each option acts on its own term of the update,
+    so what can interact is pairs (12 combos)."""
+
+    def pairs(c: tuple[object, ...]) -> set[tuple[int, object, int, object]]:
+        return {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}
+
+    chosen = [combos[0], combos[-1]]
+    todo = set().union(*map(pairs, combos)) - pairs(combos[0]) - pairs(combos[-1])
+    while todo:
+        best = max(combos, key=lambda c: len(pairs(c) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return chosen
+
+
+COMBOS = covering_pairs(ALL_COMBOS)
 
 
 def _id(combo):
@@ -136,7 +156,7 @@ def _id(combo):
 @pytest.mark.parametrize("combo", COMBOS, ids=[_id(c) for c in COMBOS])
 def test_dreamerv3_matches_reference(combo):
     momentum, nesterov, wd, schedule, warmup, agc = combo
-    seed = COMBOS.index(combo)
+    seed = ALL_COMBOS.index(combo)
     params = _params(seed)
     options = {
         "agc": agc,
