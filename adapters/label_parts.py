@@ -91,7 +91,7 @@ class LabelParts:
         tx: GradientTransformation,
         params: Sequence[Tensor],
         grads: Sequence[Tensor | None],
-        templates: list[dict[str, Tensor]],
+        shapes: Sequence[torch.Size | bool],
     ) -> bool:
         """Whether every part can step on its buffers this step (see
         :func:`~functional_opt.adapters.packed_group.packable`)."""
@@ -101,7 +101,7 @@ class LabelParts:
                     tx,
                     [params[i] for i in part.members],
                     [grads[i] for i in part.members],
-                    [templates[i] for i in part.members],
+                    [shapes[i] for i in part.members],
                 ):
                     return False
         return True

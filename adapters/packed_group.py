@@ -1105,26 +1105,49 @@ def packable(
     tx: GradientTransformation,
     params: list[Tensor],
     grads: list[Tensor | None],
-    templates: list[dict[str, Tensor]],
+    shapes: Sequence[torch.Size | bool],
 ) -> bool:
-    """Whether a group can step on packed buffers (see the module docstring)."""
+    """Whether a group can step on packed buffers (see the module docstring). ``shapes``: per
+    param, what :func:`template_shapes` found in its state templates. Each check reads one
+    attribute of every tensor (``_lists.column``): over 2000 params a Python loop of these
+    checks cost as much as the step's kernels."""
     if torch.compiler.is_compiling() or not params or not fusable(tx):
         return False
+    if any(g is None for g in grads):
+        return False
+    tensors = cast(list[Tensor], grads)
+    if not _lists._PLAIN.issuperset(map(type, params)):
+        return False
+    if not _lists._PLAIN.issuperset(map(type, tensors)):
+        return False
     device = params[0].device
-    for p, g in zip(params, grads, strict=True):
-        if g is None or type(p) not in _lists._PLAIN or type(g) not in _lists._PLAIN:
-            return False
-        if p.device != device or g.dtype != p.dtype or g.device != device or g.is_sparse:
-            return False
-        if p.layout != torch.strided:
-            return False
+    if any(d != device for d in _lists.column(params, "device")):
+        return False
+    if any(d != device for d in _lists.column(tensors, "device")):
+        return False
+    if _lists.column(tensors, "dtype") != _lists.column(params, "dtype"):
+        return False
+    if any(_lists.column(tensors, "is_sparse")):
+        return False
+    if any(x != torch.strided for x in _lists.column(params, "layout")):
+        return False
     if len({id(p) for p in params}) != len(params):
         return False
-    return all(
-        t.shape == p.shape
-        for p, entry in zip(params, templates, strict=True)
-        for t in entry.values()
+    now = _lists.column(params, "shape")
+    return now == shapes or all(
+        s is True or (s is not False and s == n) for s, n in zip(shapes, now, strict=True)
     )
+
+
+def template_shapes(templates: list[dict[str, Tensor]]) -> list[torch.Size | bool]:
+    """Per param, the one shape of its per-parameter state (templates of state name -> tensor),
+    which is then the shape the param must have to step on packed buffers; ``True`` for a param
+    with no such state (any shape), ``False`` where its states' shapes differ (never)."""
+    out: list[torch.Size | bool] = []
+    for entry in templates:
+        found = {t.shape for t in entry.values()}
+        out.append(True if not found else found.pop() if len(found) == 1 else False)
+    return out
 
 
 def shards_of(

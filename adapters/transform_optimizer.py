@@ -67,6 +67,7 @@ from .packed_group import (
     flatten_to_packed,
     packable,
     shards_of,
+    template_shapes,
     templates_by_name,
 )
 
@@ -209,6 +210,7 @@ class _Layout:
     stand_ins: list[Tensor]  # meta tensors shaped like the params
     param_template: list[dict[str, Tensor]]  # per param: state name -> meta tensor
     group_template: dict[str, Tensor]
+    template_shapes: list[torch.Size | bool]  # per param: packed_group.template_shapes
     scratch: dict[str, Tensor] = field(default_factory=dict)
     checked: dict[str, Any] = field(default_factory=dict)  # numeric option -> value validated
     engine: Any = None  # the group's PackedGroup once made; False: the group cannot use one
@@ -542,6 +544,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             stand_ins=stand_ins,
             param_template=param_template,
             group_template=group_template,
+            template_shapes=template_shapes(param_template),
             checked={option: group[option] for option in numeric},
         )
 
@@ -847,10 +850,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         if layout.engine is None and sum(p.numel() for p in params) < self.fused_min_numel:
             return None
         if isinstance(layout.engine, LabelParts):
-            ready = layout.engine.packable(layout.tx, params, grads, layout.param_template)
+            ready = layout.engine.packable(layout.tx, params, grads, layout.template_shapes)
             return layout.engine if ready else None
         shards = None
-        if not packable(layout.tx, params, grads, layout.param_template):
+        if not packable(layout.tx, params, grads, layout.template_shapes):
             shards = shards_of(layout.tx, params, grads, layout.param_template)
             if shards is None:
                 if layout.engine is None and not fusable(layout.tx) and has_leaf_labels(layout.tx):
