@@ -35,9 +35,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar, cast, overload
 
 import optree
 import torch
@@ -72,6 +73,8 @@ from .packed_group import (
 )
 
 __all__ = ["GROUP_STATE_KEY", "ParamSlots", "TransformOptimizer"]
+
+_GRAD = operator.attrgetter("grad")
 
 GROUP_STATE_KEY = "transform_state"
 """Param-group key of the group-level transform state (counters), a ``{name: tensor}`` dict."""
@@ -195,6 +198,34 @@ class _Slot:
     name: str  # state name ("param"/"group") or factory argument ("hyper")
 
 
+class _StateTable:
+    """What the optimizer's state table held when a step of one group ended, with the
+    indices of the params that had a gradient then (each had its full state): while the table
+    holds the same keys, dicts and dict sizes, in the same order, those params still do, found
+    by identity checks instead of a lookup per param (a tensor's hash is a Python call)."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[Any, list[Any], list[Any], list[int], list[int]] | None = None
+
+    def forget(self) -> None:
+        self.seen = None
+
+    def record(self, state: Any, present: list[int]) -> None:
+        values = list(state.values())
+        self.seen = (state, list(state), values, list(map(len, values)), present)
+
+    def holds(self, state: Any, present: list[int]) -> bool:
+        seen = self.seen
+        if seen is None or state is not seen[0] or len(state) != len(seen[1]):
+            return False
+        return (
+            present == seen[4]
+            and all(map(operator.is_, state, seen[1]))
+            and all(map(operator.is_, state.values(), seen[2]))
+            and list(map(len, seen[2])) == seen[3]
+        )
+
+
 @dataclass
 class _Layout:
     """How one param group's transform state maps onto the optimizer's storage."""
@@ -211,6 +242,7 @@ class _Layout:
     param_template: list[dict[str, Tensor]]  # per param: state name -> meta tensor
     group_template: dict[str, Tensor]
     template_shapes: list[torch.Size | bool]  # per param: packed_group.template_shapes
+    full_states: _StateTable = field(default_factory=lambda: _StateTable())
     scratch: dict[str, Tensor] = field(default_factory=dict)
     checked: dict[str, Any] = field(default_factory=dict)  # numeric option -> value validated
     engine: Any = None  # the group's PackedGroup once made; False: the group cannot use one
@@ -735,28 +767,43 @@ class TransformOptimizer(torch.optim.Optimizer):
             if usual is not None:  # checked on the step that made it usual
                 self._update_group(layout, group, params, usual[0], usual[1])  # type: ignore[arg-type]
                 return
-        grads: list[Tensor | None] = []
+        # (over 2000 params, a Python loop of these checks cost as much as the step's kernels:
+        # each reads one attribute column, and the state table is looked up per param only
+        # when it changed since the last step, whose params had their full state then)
+        grads: list[Tensor | None] = list(map(_GRAD, params))
+        present = [j for j, g in enumerate(grads) if g is not None]
+        if len(present) == len(params):
+            ps, gs = params, cast(list[Tensor], grads)
+        else:
+            ps, gs = [params[j] for j in present], [cast(Tensor, grads[j]) for j in present]
+        if any(_lists.column(gs, "is_sparse")) or _lists.column(gs, "shape") != _lists.column(
+            ps, "shape"
+        ):
+            for j in present:
+                g = cast(Tensor, grads[j])
+                if g.is_sparse or g.shape != params[j].shape:
+                    self._check_grad(index, j, params[j], g)
         need = []
-        for j, p in enumerate(params):
-            g = p.grad
-            if g is not None:
-                if g.is_sparse or g.shape != p.shape:
-                    self._check_grad(index, j, p, g)
-                if len(self.state.get(p, ())) != len(layout.param_template[j]):
-                    need.append(j)
-            grads.append(g)
+        if not layout.full_states.holds(self.state, present):
+            need = [
+                j
+                for j in present
+                if len(self.state.get(params[j], ())) != len(layout.param_template[j])
+            ]
         if need:
             try:
                 self._init_param_states(layout, params, need)
             except BaseException:
                 self._drop_param_states(params, need)
                 raise
+        layout.full_states.forget()
         try:
             self._update_group(layout, group, params, grads)
         except BaseException:
             if need:  # the state created for this step: as it was, none
                 self._drop_param_states(params, need)
             raise
+        layout.full_states.record(self.state, present)
 
     def _drop_param_states(self, params: list[Tensor], need: list[int]) -> None:
         for j in need:

@@ -718,3 +718,43 @@ def test_step_never_writes_the_gradients(kind: str, dtype: torch.dtype) -> None:
         before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
         opt.step()
         assert_bitwise([p.grad for p in params], before)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["engine", "per-tensor"])
+def test_state_missing_since_the_last_step_is_created_again(fused: bool) -> None:
+    # The step looks the state up per param only when the state table changed since the last
+    # step. A param that gets its first gradient, a state dict emptied, one removed: each is
+    # noticed, and that param's moments start from zero (after one step, (1 - b) g and
+    # (1 - b2) g^2), while the others' keep accumulating.
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3)) for _ in range(4)]
+    opt = TransformOptimizer(params, fo.adam, lr=1e-2)
+    opt.fused_min_numel = 0
+    opt.fused_steps = fused
+    grads = [torch.randn(4, 3) for _ in params]
+
+    def step(have: list[int]) -> None:
+        for i, p in enumerate(params):
+            p.grad = grads[i].clone() if i in have else None
+        opt.step()
+
+    def fresh(i: int) -> bool:
+        state, g = opt.state[params[i]], grads[i]
+        return bool(
+            torch.allclose(state["mu"], 0.1 * g, rtol=1e-6, atol=0)
+            and torch.allclose(state["nu"], 0.001 * g * g, rtol=1e-5, atol=0)
+        )
+
+    step([0, 1, 2])
+    step([0, 1, 2])
+    assert params[3] not in opt.state and not fresh(0)
+    step([0, 1, 2, 3])  # param 3's first gradient
+    assert fresh(3) and not fresh(0)
+    opt.state[params[1]].clear()
+    step([0, 1, 2, 3])
+    assert fresh(1) and not fresh(3)
+    del opt.state[params[2]]
+    step([0, 1, 2, 3])
+    assert fresh(2) and not fresh(1)
+    step([0, 1, 2, 3])
+    assert not any(fresh(i) for i in range(4))
