@@ -242,7 +242,7 @@ class _Layout:
     param_template: list[dict[str, Tensor]]  # per param: state name -> meta tensor
     group_template: dict[str, Tensor]
     template_shapes: list[torch.Size | bool]  # per param: packed_group.template_shapes
-    full_states: _StateTable = field(default_factory=lambda: _StateTable())
+    full_states: _StateTable = field(default_factory=_StateTable)
     scratch: dict[str, Tensor] = field(default_factory=dict)
     checked: dict[str, Any] = field(default_factory=dict)  # numeric option -> value validated
     engine: Any = None  # the group's PackedGroup once made; False: the group cannot use one
