@@ -339,6 +339,13 @@ class FlatBucket:
         """Per direct param: its ``[1, n]`` rows of the gradient, the param, both moments, its flat
         gradient and param, and its step-size slot."""
         self.data_ptrs = self._data_ptrs()
+        self.param_squares: dict[int, tuple[Tensor, int, int]] = {}
+        """A sharded bucket's float32/64 direct params' sums of squares of their local shards,
+        taken by their last step's kernels as they wrote them: per direct param, ``(value,
+        shard version, DTensor version)`` (see :meth:`squares`)."""
+        self.reused_squares = 0
+        """How many of them the last :meth:`squares` took from there instead of reading the
+        shard (a diagnostic)."""
         self.everyone = list(range(len(self.params)))
         self.unbound = set(self.everyone)
         """Params whose optimizer-state entries are not yet the bucket's views."""
@@ -470,9 +477,15 @@ class FlatBucket:
         device = self.g.device
         if factors is not None:  # given (a sharded step's, from all-reduced norms)
             rows = factors.view(-1, 1)
+            wide = self.g.dtype == mdtype
+            kept, self.param_squares = self.param_squares, {}  # (a step that raises drops it)
             for i in indices:
-                g, p, nu, mu, _, _, step_size = self.direct_args[i]
+                g, p, nu, mu, _, flat_p, step_size = self.direct_args[i]
                 self._call(_apply, g, p, nu, mu, rows[i : i + 1], step_size, *scalars)
+                if wide:  # the new param's sum of squares, for the next step's norms
+                    value = torch.dot(flat_p, flat_p)  # (while the param is in cache)
+                    kept[i] = (value, self.params[i]._version, self.keys[i]._version)
+            self.param_squares = kept
             return
         if agc <= 0:
             one = torch.ones((1, 1), dtype=mdtype, device=device)
@@ -584,10 +597,14 @@ class FlatBucket:
             singles.append(torch.linalg.vector_norm(self.g_views[i], dtype=mdtype).square())
             singles.append(torch.linalg.vector_norm(self.targets[i], dtype=mdtype).square())
         wide = self.g.dtype == mdtype
+        self.reused_squares = 0
         for i in self.direct:
             flat_g, flat_p = self.direct_args[i][4:6]
-            if wide:  # BLAS dot products
-                singles += [torch.dot(flat_g, flat_g), torch.dot(flat_p, flat_p)]
+            if wide:  # BLAS dot products (the param's, unless its last step took it)
+                known = self._param_square(i)
+                self.reused_squares += known is not None
+                p_square = torch.dot(flat_p, flat_p) if known is None else known
+                singles += [torch.dot(flat_g, flat_g), p_square]
             else:  # 16-bit: a compiled cascade sum, without widened copies
                 singles += list(self._call(_kernels.norm_pair, flat_g, flat_p, mdtype).square())
         if singles:
@@ -595,6 +612,20 @@ class FlatBucket:
             g_sq.append(pairs[:, 0])
             p_sq.append(pairs[:, 1])
         return torch.stack([torch.cat(g_sq), torch.cat(p_sq)])
+
+    def _param_square(self, i: int) -> Tensor | None:
+        """Direct param ``i``'s sum of squares as its last sharded step's kernel wrote it
+        (:func:`_apply_squares`), where neither its shard's nor its ``DTensor``'s version
+        counter has moved since (nothing wrote the param in place: ``load_state_dict``, DCP,
+        ``torch.no_grad()`` ops); else ``None``. A write PyTorch does not version (through
+        ``p.data``) is not seen: see ``docs/distributed.md``."""
+        entry = self.param_squares.get(i)
+        if entry is None:
+            return None
+        value, version, outer = entry
+        if self.params[i]._version != version or self.keys[i]._version != outer:
+            return None
+        return value
 
     def step(
         self,

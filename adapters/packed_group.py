@@ -180,7 +180,7 @@ class PackedGroup:
         (``TransformOptimizer.upcast_16bit_grads``): the direct params' steps convert them as
         they read them, the packed ones' buffer is float32 (the gradients are copied into it,
         never its views)."""
-        self.leaf_steps: dict[tuple[int, Stages, bool], _kernels.Kernel] = {}
+        self.leaf_steps: dict[tuple[Any, ...], _kernels.Kernel] = {}
         """Their step, compiled (:func:`leaf_step`), by the number of reduction totals it takes
         and the transform's stages; with ``-1 - k`` the pass giving their partials with ``k``
         totals (:func:`leaf_partials`)."""
@@ -302,6 +302,16 @@ class PackedGroup:
         """Where the direct params' steps write it (:attr:`given_pack`'s buffers)."""
         self.gradient_passes: dict[tuple[int, Stages], tuple[int, tuple[str, ...]]] = {}
         """Per partials pass (code, stages): what it computes (:func:`gradient_reductions`)."""
+        self.param_squares: dict[int, tuple[Tensor, Tensor, int, int]] = {}
+        """A sharded group's direct params' sums of squares of their local shards, taken by
+        their last step's kernels as they wrote them (:meth:`_param_squares`): per direct
+        param (its position in :attr:`direct`), ``(value, shard, shard version, DTensor
+        version)``."""
+        self.dtensor_versions: list[int] = []
+        """The direct params' ``DTensor`` version counters at the start of this step."""
+        self.reused_squares = 0
+        """How many direct params' sums of squares the last step took from
+        :attr:`param_squares` instead of reading the shard (a diagnostic)."""
         self.leaf_kernels: dict[tuple[int, int, Stages], Callable[..., Any]] = {}
         """Per direct param and kernel (the code of :meth:`_leaf_kernel`), the compiled kernel
         once it is called without dynamo."""
@@ -502,6 +512,7 @@ class PackedGroup:
         For a sharded group ``params`` and ``grads`` are the ``DTensor``s, stepped on their
         local shards."""
         if self.sharded:
+            self.dtensor_versions = [params[i]._version for i in self.direct]
             params = [p._local_tensor for p in params]  # type: ignore[attr-defined]
             grads = [g._local_tensor for g in grads]  # type: ignore[attr-defined]
         self.steps += 1
@@ -828,19 +839,21 @@ class PackedGroup:
                 old.copy_(value)
 
     def _leaf_kernel(
-        self, code: int, found: Stages = (), pack: GivenPack | None = None
+        self, code: int, found: Stages = (), pack: GivenPack | None = None, squares: bool = False
     ) -> _kernels.Kernel | None:
         """The direct params' compiled step taking ``code`` totals (the state that is not per
-        parameter as ``pack``'s buffers, if given), or (``code < 0``) their partials pass with
-        ``-1 - code`` totals, for the transform's stages ``found``; ``None`` for a state it
-        cannot rebuild."""
-        key = (code, found, pack is not None)
+        parameter as ``pack``'s buffers, if given; returning the new param's sum of squares
+        with ``squares``), or (``code < 0``) their partials pass with ``-1 - code`` totals, for
+        the transform's stages ``found``; ``None`` for a state it cannot rebuild."""
+        key: tuple[Any, ...] = (code, found, pack is not None, *((True,) if squares else ()))
         if key not in self.leaf_steps:
             kinds = [kind for kind, _ in self.slots]
             fn: Callable[..., Any] | None
             if code >= 0:
                 apply = not zero_updates(self.tx, found)
-                fn = leaf_step(self.tx, self.outline, kinds, code, apply, pack, self.upcast)
+                fn = leaf_step(
+                    self.tx, self.outline, kinds, code, apply, pack, self.upcast, squares=squares
+                )
             else:
                 fn = leaf_partials(self.tx, self.outline, kinds, -1 - code, self.upcast)
             if fn is None:
@@ -940,8 +953,15 @@ class PackedGroup:
                 blocks.append(0)
                 continue
             m = parts[0][j].numel() // counts[0]
-            pairs = zip(parts, counts, strict=True)
-            columns = [part[j].to(dtype).reshape(m, c) for part, c in pairs]
+            nd = len(self.direct)
+            singles = [part[j] for part in parts[:nd]]
+            columns = []
+            if singles and all(x.dtype == dtype for x in singles):
+                columns.append(torch.stack(singles, dim=1))  # (one op for the direct params)
+            else:
+                columns += [x.to(dtype).reshape(m, 1) for x in singles]
+            rest = zip(parts[nd:], counts[nd:], strict=True)
+            columns += [part[j].to(dtype).reshape(m, c) for part, c in rest]
             by_param = torch.cat(columns, dim=1).index_select(1, inverse)
             pieces.append(by_param.reshape(-1))
             blocks.append(m)
@@ -958,12 +978,25 @@ class PackedGroup:
                 offset += 1
                 continue
             by_part = whole[offset : offset + m * n].view(m, n).index_select(1, order)
-            mine = torch.split(by_part, counts, dim=1)
-            for q, totals in enumerate(per_part):
+            mine = list(torch.split(by_part, counts, dim=1))
+            nd = len(self.direct)
+            dtypes = {parts[q][j].dtype for q in range(min(nd, len(parts)))}
+            if nd and dtypes == {whole.dtype}:
+                # the direct params' totals, each a tensor of its own, in one op (x * 1 is x)
+                rows = by_part[:, :nd].t().contiguous().unbind()
+                per_param = torch._foreach_mul(list(rows), 1.0)
+                for q in range(nd):
+                    per_part[q].append(per_param[q])
+                mine[:nd] = []
+                start = nd
+            else:
+                start = 0
+            for q in range(start, len(per_part)):
+                k = q - start
                 if q < len(parts):
-                    totals.append(mine[q].reshape(-1).to(parts[q][j].dtype, copy=True))
+                    per_part[q].append(mine[k].reshape(-1).to(parts[q][j].dtype, copy=True))
                 else:  # (no packed params: never read)
-                    totals.append(by_part.new_zeros(0))
+                    per_part[q].append(by_part.new_zeros(0))
             offset += m * n
 
     def _direct_parts(
@@ -1010,6 +1043,48 @@ class PackedGroup:
                 )
                 for q, i in enumerate(self.direct)
             ],
+            (lambda: self._param_squares(params)) if self.sharded else None,
+        )
+
+    def _param_squares(self, params: list[Tensor]) -> list[Tensor]:
+        """Each direct param's sum of squares of its local shard (``params``: the shards), for
+        a sharded pass that takes the params' norms (:func:`gradient_reductions_pass`). Where
+        the param's last step took it as it wrote the shard (:attr:`param_squares`) and
+        neither the shard's nor the ``DTensor``'s version counter has moved since (nothing
+        wrote the param in place: ``load_state_dict``, DCP, ``torch.no_grad()`` ops, FSDP2's
+        own), that value, without reading the shard again; the others' from their local norms
+        (BLAS dot products). A write that PyTorch does not version (through ``p.data``) is not
+        seen: see ``docs/distributed.md``."""
+        out: list[Tensor | None] = []
+        missing: list[int] = []
+        kept = self.param_squares
+        for q, i in enumerate(self.direct):
+            p = params[i]
+            entry = kept.get(q)
+            if (
+                entry is not None
+                and entry[1] is p
+                and entry[2] == p._version
+                and entry[3] == self.dtensor_versions[q]
+            ):
+                out.append(entry[0])
+            else:
+                out.append(None)
+                missing.append(q)
+        if missing:
+            fresh = _lists.local_norms([params[self.direct[q]] for q in missing])
+            for q, norm in zip(missing, fresh, strict=True):
+                out[q] = norm.square()
+        self.reused_squares = len(out) - len(missing)
+        return cast(list[Tensor], out)
+
+    def _emits_squares(self) -> bool:
+        """Whether the direct params' steps return their new sums of squares: a sharded group
+        whose partials passes take the params' norms (see :meth:`_param_squares`)."""
+        return self.sharded and any(
+            kind.startswith("norms:") and "p" in kind[len("norms:") :]
+            for _, kinds in self.gradient_passes.values()
+            for kind in kinds
         )
 
     def _label(self, i: int) -> Stages:
@@ -1034,11 +1109,12 @@ class PackedGroup:
         kinds = [kind for kind, _ in self.slots]
         known = len(totals[0])
         given, pack = self._given(outer)
-        step = self._leaf_kernel(known, found, pack)
+        squares = self._emits_squares()
+        step = self._leaf_kernel(known, found, pack, squares)
         assert step is not None
 
         def kernel_for(stages_: Stages) -> _kernels.Kernel:
-            out = step if stages_ is found else self._leaf_kernel(known, stages_, pack)
+            out = step if stages_ is found else self._leaf_kernel(known, stages_, pack, squares)
             assert out is not None
             return out
 
@@ -1049,12 +1125,19 @@ class PackedGroup:
             scale = ratio.detach().to(device=device, dtype=torch.float64)
         else:
             scale = torch.tensor(ratio, dtype=torch.float64, device=device)
-        for i, own in zip(self.direct, totals, strict=True):
+        kept = self.param_squares
+        self.param_squares = {}  # (kept again below once written: a step that raises drops it)
+        for q, (i, own) in enumerate(zip(self.direct, totals, strict=True)):
             args: tuple[Tensor, ...] = (grads[i], params[i], scale)
             args += (*[self.state_views[name][i] for name in names], *packed, *self.leaf_outs)
-            labelled_call(
+            new = labelled_call(
                 kernel_for, self.leaf_kernels, (i, known), found, self._label(i), (*args, *own)
             )
+            if isinstance(new, Tensor):
+                p = params[i]
+                kept[q] = (new, p, p._version, self.dtensor_versions[q])
+        if squares:
+            self.param_squares = kept
         news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
         return [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
 

@@ -286,7 +286,7 @@ def rows(
                     process.kill()
                 raise TimeoutError(f"the ranks did not finish within {timeout} s")
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
-    shapes = ranks[0]["DreamerV3Optimizer"]["local_shapes"]
+    shapes = next(iter(ranks[0].values()))["local_shapes"]
     single = single_process(shapes, steps, warmup, clock)
     out = []
     for name, seconds in single.items():

@@ -455,7 +455,7 @@ def norms(xs: Sequence[Tensor]) -> list[Tensor]:
     if not xs:
         return []
     if _SHARDED is not None:
-        return _summed_norms(local_norms(xs))
+        return _summed_norms(local_norms(xs), xs)
     return full_values(local_norms(xs))
 
 
@@ -545,10 +545,10 @@ def _dot_norms_fake(xs: list[Tensor]) -> list[Tensor]:
 torch.library.register_fake("functional_opt::dot_norms", _dot_norms_fake, lib=_LIBRARY)
 
 
-def _summed_norms(local: list[Tensor]) -> list[Tensor]:
-    """Whole norms from local shards' norms: their squares summed over the ranks (one
-    collective), the square roots in each norm's dtype."""
-    whole = sum_over_shards(stack(local).square()).sqrt()
+def _summed_norms(local: list[Tensor], xs: Sequence[Tensor]) -> list[Tensor]:
+    """Whole norms from local shards' norms (``local``, of the shards ``xs``): their squares
+    summed over the ranks (one collective), the square roots in each norm's dtype."""
+    whole = sum_over_shards(stack(local).square(), of=xs).sqrt()
     return [v.to(n.dtype) for v, n in zip(whole.unbind(), local, strict=True)]
 
 
@@ -747,17 +747,19 @@ def sharded_group() -> Any:
     return _SHARDED
 
 
-def sum_over_shards(t: Tensor) -> Tensor:
+def sum_over_shards(t: Tensor, of: Sequence[Tensor] | None = None) -> Tensor:
     """``t`` summed over the ranks of the active :func:`sharded_reductions` group (one
     ``all_reduce``; a plain tensor, also in eager mode). Within :func:`across_parts` (the
     engine's update of a part of a sharded group) the sum is a reduction of the kind
     ``"ranks"`` of the active :class:`Across`: its total given, or ``t`` recorded as its
-    partial (the engine sums every part's over the ranks in one collective)."""
+    partial (the engine sums every part's over the ranks in one collective). ``of``: the
+    tensors whose squared local norms ``t`` stacks (:func:`norms` of local shards), recorded
+    with the partial (see :attr:`Across.norms_of`)."""
     if isinstance(_SHARDED, CollectiveCount):  # (counted, not issued: see below)
         _SHARDED.calls += 1
         return t
     if _ACROSS is not None:  # a part of a sharded group: summed over the ranks by the engine
-        return across_total(t, ("ranks", [t]))
+        return across_total(t, ("ranks", [t]), of)
     from torch.distributed import _functional_collectives as fc
 
     out: Tensor = fc.all_reduce(t, "sum", _SHARDED)
@@ -833,7 +835,7 @@ class Across:
     made active inside the code the engine compiles (:func:`across_parts`), so the totals are
     inputs of the graph and the partials its outputs."""
 
-    __slots__ = ("count", "given", "partials", "sources")
+    __slots__ = ("count", "given", "norms_of", "partials", "sources")
 
     def __init__(self, given: Sequence[Tensor]) -> None:
         self.given = list(given)
@@ -842,6 +844,9 @@ class Across:
         """For each partial: what it is of, ``("squares", xs)`` (:func:`global_norm`'s sum of
         squares of the tensors ``xs``) or ``("non-finite", xs)`` (:func:`all_finite`'s count),
         for the engine to recognize a pass it can run as one multi-tensor op."""
+        self.norms_of: list[list[Tensor] | None] = []
+        """For each partial of the kind ``"ranks"`` that is the stacked squared local norms of
+        some tensors (:func:`norms` of local shards), those tensors; else ``None``."""
         self.count = 0
 
 
@@ -882,9 +887,11 @@ def across_parts(value: Across | None) -> Across | None:
     return old
 
 
-def across_total(partial: Tensor, source: tuple[str, list[Tensor]]) -> Tensor:
+def across_total(
+    partial: Tensor, source: tuple[str, list[Tensor]], of: Sequence[Tensor] | None = None
+) -> Tensor:
     """Within :func:`across_parts`: the next reduction's total (given), else ``partial``, which
-    is recorded with its ``source`` (see :class:`Across`)."""
+    is recorded with its ``source`` and ``of`` (see :class:`Across`)."""
     active = _ACROSS
     assert active is not None
     k = active.count
@@ -893,6 +900,7 @@ def across_total(partial: Tensor, source: tuple[str, list[Tensor]]) -> Tensor:
         return active.given[k].to(partial.dtype)
     active.partials.append(partial)
     active.sources.append(source)
+    active.norms_of.append(None if of is None else list(of))
     return partial
 
 

@@ -83,7 +83,8 @@ def leaf_step(
     pack: GivenPack | None = None,
     upcast: bool = False,
     into: str | None = None,
-) -> Callable[..., None] | None:
+    squares: bool = False,
+) -> Callable[..., Tensor | None] | None:
     """The step of one param alone, to compile: ``step(g, p, ratio, *state, *given, *outs,
     *totals)`` runs ``tx.update`` on the one-param tree ``[g]`` with the state rebuilt from the
     param's own per-parameter entries ``state`` and the other state leaves ``given``, writes the
@@ -115,6 +116,11 @@ def leaf_step(
     ``ratio`` (``"out"``); ``p`` is only read. ``u`` must have ``g``'s dtype (the caller
     checks).
 
+    ``squares`` (with ``apply``): the step returns the sum of squares of the param's new
+    value (in at least float32), taken in the pass that writes it: the partial value of the
+    param's squared norm that the next step's reductions need (see
+    :func:`gradient_reductions_pass`), without reading the param again.
+
     ``outline`` is the state's structure with each per-parameter subtree and each other leaf
     replaced by its kind (``kinds``, in ``optree``'s order: ``"param"``, ``"group"``,
     ``"hyper"`` or ``"none"``). ``None`` when the state holds a node :class:`Rebuild` cannot
@@ -126,7 +132,7 @@ def leaf_step(
     n_given = sum(k in GIVEN for k in kinds) if pack is None else len(pack.keys)
     across = totals > 0 or not leafwise(tx)
 
-    def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> None:
+    def step(g: Tensor, p: Tensor, ratio: Tensor, *args: Tensor) -> Tensor | None:
         state_in = iter(args[:n_param])
         given_in = [x.clone() for x in args[n_param : n_param + n_given]]
         outs_in = list(args[n_param + n_given : n_param + 2 * n_given])
@@ -143,13 +149,18 @@ def leaf_step(
         finally:
             if across:
                 _lists.across_parts(old)
+        total: Tensor | None = None
         if into == "grad":
             g.copy_(tree.leaves(updates)[0])
         elif into == "out":
             ratio.copy_(tree.leaves(updates)[0])
         elif apply:
             u = tree.leaves(updates)[0]
-            p.copy_((p + _lists.once(ratio, [u]) * u).to(p.dtype))
+            new_p = (p + _lists.once(ratio, [u]) * u).to(p.dtype)
+            p.copy_(new_p)
+            if squares:
+                wide = new_p.to(torch.promote_types(p.dtype, torch.float32))
+                total = (wide * wide).sum()
         state_in = iter(args[:n_param])
         new_leaves: list[Any] = []
         shape.leaves(new, new_leaves)
@@ -160,6 +171,7 @@ def leaf_step(
                     old_value.copy_(value)
             elif k != "none":
                 next(outs).copy_(value)
+        return total
 
     return step
 
@@ -303,16 +315,27 @@ def gradient_reductions(
     squares) or ``"non-finite"`` (a finite check's count). Those depend on no total still to
     come, so they are exact, and a pass over many params computes them with
     :func:`gradient_reductions_pass`, multi-tensor ops with the compiled pass's results,
-    without a compiled call per param. ``()`` where the first partial is of something else
+    without a compiled call per param. A sharded pass's per-leaf norms of the gradient and
+    the param as given (float32 or float64 ones; :func:`functional_opt._lists.norms` of local
+    shards) are recognized too: ``"norms:gp"`` (the letters say which tensors' squared local
+    norms the partial stacks, in order). ``()`` where the first partial is of something else
     (or of a gradient that ``upcast`` converts first)."""
     run = _partials_run(tx, outline, kinds, known, upcast)
     g = args[0]
     if run is None:
         return 0, ()
-    across = run(g, args[1], args[2:])
+    p = args[1]
+    across = run(g, p, args[2:])
     leading: list[str] = []
-    if g.dtype in (torch.float32, torch.float64):
-        for kind, xs in across.sources:
+    exact = (torch.float32, torch.float64)
+    if g.dtype in exact:
+        for (kind, xs), of in zip(across.sources, across.norms_of, strict=True):
+            if of is not None and of and p.dtype in exact:
+                names = ["g" if x is g else "p" if x is p else "" for x in of]
+                if "" in names:
+                    break
+                leading.append("norms:" + "".join(names))
+                continue
             if len(xs) != 1 or xs[0] is not g:
                 break
             leading.append(kind)
@@ -362,21 +385,51 @@ def reduction_sources(
 
 
 def gradient_reductions_pass(
-    grads: list[Tensor], count: int, leading: tuple[str, ...]
+    grads: list[Tensor],
+    count: int,
+    leading: tuple[str, ...],
+    param_squares: Callable[[], list[Tensor]] | None = None,
 ) -> list[tuple[Tensor, ...]] | None:
     """The partials of a pass that :func:`gradient_reductions` recognized (``count`` per param,
     the ``leading`` ones reductions of the gradients), for the params with gradients
     ``grads``: the sums of squares from torch's multi-tensor norm (the compiled pass takes the
     same norm, the same bits), the non-finite counts from each gradient's smallest and largest
     elements; the partials after them, stand-ins (see :class:`functional_opt._lists.Across`),
-    repeat the first. ``None`` unless every gradient is float32 or float64 (the compiled pass
-    takes a 16-bit one's norm another way)."""
+    repeat the first. ``"norms:..."`` partials (of a sharded pass) stack each param's squared
+    local norms of its gradient (``g``) and its param (``p``: from ``param_squares()``, each
+    param's sum of squares, in at least float32). ``None`` unless every gradient is float32 or
+    float64 (the compiled pass takes a 16-bit one's norm another way), or where a partial needs
+    the params and ``param_squares`` is not given."""
     if not all(g.dtype in (torch.float32, torch.float64) for g in grads):
         return None
+    if param_squares is None and any(kind.startswith("norms:") for kind in leading):
+        return None
+    found: dict[str, list[Tensor]] = {}
+
+    def squares_of(name: str) -> list[Tensor]:
+        if name not in found:
+            if name == "g":
+                # last to first: the first params' gradients are then the ones still in cache
+                # when their updates start (a sharded step updates in the params' order)
+                found[name] = [n.square() for n in _lists.local_norms(grads[::-1])][::-1]
+            else:
+                assert param_squares is not None
+                found[name] = param_squares()
+        return found[name]
+
     columns: list[list[Tensor]] = []
     for kind in leading:
         if kind == "squares":
-            columns.append([n.square() for n in _lists.local_norms(grads)])
+            columns.append(squares_of("g"))
+        elif kind.startswith("norms:"):
+            per_name = [squares_of(name) for name in kind[len("norms:") :]]
+            flat = [x for row in zip(*per_name, strict=True) for x in row]
+            if len({x.dtype for x in flat}) == 1:
+                # one stack for all params (what _lists.stack gives each: the same dtype)
+                matrix = torch.stack(flat).view(len(grads), len(per_name))
+                columns.append(list(matrix.unbind()))
+            else:
+                columns.append([_lists.stack(list(row)) for row in zip(*per_name, strict=True)])
         else:
             counts = _lists._finite_flags(grads).logical_not().to(torch.float32)
             columns.append(list(counts.unbind()))
@@ -409,6 +462,7 @@ def large_parts(
     probe: Callable[[], tuple[int, tuple[str, ...]]],
     grads: list[Tensor],
     compiled: Callable[[], list[Any]],
+    param_squares: Callable[[], list[Tensor]] | None = None,
 ) -> tuple[list[Any], int]:
     """One totals pass over the large params (both engines'): their partials, and how many of
     each param's leading partials are exact. What the pass computes is found once (``probe()``,
@@ -418,7 +472,7 @@ def large_parts(
     if key not in probes:
         probes[key] = probe()
     count, leading = probes[key]
-    parts = gradient_reductions_pass(grads, count, leading) if leading else None
+    parts = gradient_reductions_pass(grads, count, leading, param_squares) if leading else None
     if parts is None:
         return compiled(), 1
     return parts, len(leading)

@@ -956,6 +956,81 @@ def _fsdp_checkpoints(mesh: DeviceMesh, rank: int, root: Path) -> dict[str, Any]
     return out
 
 
+PARAM_NORM_RUNS = ("dreamerv3", "direct_dreamerv3")
+"""The sharded DreamerV3 steps whose param norms come from the last step (see
+_fsdp_param_norms): the flat buckets, and the engine's direct route."""
+
+
+def reused_squares(opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """How many large shards' sums of squares ``opt``'s last sharded step took from the step
+    before instead of reading the shard, of how many it could have."""
+    layouts = opt.__dict__.get("_layouts") or [None]
+    engine = getattr(layouts[0], "engine", None)
+    if engine:
+        return engine.reused_squares, len(engine.direct)
+    buckets = opt.__dict__["_buckets"][0][1]
+    return sum(b.reused_squares for b in buckets), sum(len(b.direct) for b in buckets)
+
+
+def forget_squares(opt: torch.optim.Optimizer) -> None:
+    layouts = opt.__dict__.get("_layouts") or [None]
+    engine = getattr(layouts[0], "engine", None)
+    for holder in [engine] if engine else opt.__dict__["_buckets"][0][1]:
+        holder.param_squares.clear()
+
+
+def _fsdp_param_norms(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
+    """A sharded DreamerV3 step takes each large shard's ``||p||^2`` from the step before (its
+    update took it as it wrote the shard) unless something wrote the param since. Per config,
+    two identical models and optimizers A and B train on the same batches with real forward
+    and backward passes for 5 steps; before step 3 every param of both is scaled in place under
+    ``torch.no_grad()`` and B drops what it kept (so it reads every shard); before step 5 only
+    A's first weight is scaled. Records, per step, how many squares A reused (of how many), and
+    both models' whole params after it."""
+    import functional_opt.adapters.flat_dreamerv3 as flat
+
+    out: dict[str, Any] = {}
+    batches = batches_for("dreamerv3")
+    direct = flat.DIRECT
+    flat.DIRECT = 16  # (the small MLP's shards step on the flat path's direct route too)
+    try:
+        for config in PARAM_NORM_RUNS:
+            pairs = []
+            for _ in range(2):
+                model = shard_model(make_model(), mesh)
+                opt = make_optimizer(config, model.parameters())
+                if config == "direct_dreamerv3":
+                    opt.fused_min_numel = 0  # type: ignore[attr-defined]
+                    opt.direct_min_numel = DIRECT_MIN["mlp"]  # type: ignore[attr-defined]
+                    opt.direct_rest_max = 0  # type: ignore[attr-defined]
+                pairs.append((model, opt))
+            records = []
+            for t in range(5):
+                if t == 2:
+                    with torch.no_grad():
+                        for model, _ in pairs:
+                            for p in model.parameters():
+                                p.mul_(1.5)
+                    forget_squares(pairs[1][1])
+                if t == 4:
+                    with torch.no_grad():
+                        pairs[0][0][0].weight.mul_(0.5)
+                        pairs[1][0][0].weight.mul_(0.5)
+                record: dict[str, Any] = {}
+                for name, (model, opt) in zip("AB", pairs, strict=True):
+                    x, y = local(batches[t], rank, WORLD)
+                    nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    record[f"reused_{name}"] = reused_squares(opt)
+                    record[name] = full_params(model)
+                records.append(record)
+            out[config] = records
+    finally:
+        flat.DIRECT = direct
+    return out
+
+
 def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
     _init(rank, world, store)
     mesh = init_device_mesh("cpu", (world,))
@@ -980,6 +1055,7 @@ def _fsdp_job(rank: int, world: int, store: str, root: str) -> None:
     out["accumulation"] = _fsdp_accumulation(mesh, rank)
     out["fp16"] = _fsdp_fp16(mesh, rank)
     out["step_collectives"] = _fsdp_step_collectives(mesh, rank)
+    out["param_norms"] = _fsdp_param_norms(mesh, rank)
     out.update(_fsdp_from_hsdp(mesh, rank, Path(root)))
     _finish(out, Path(root) / f"fsdp_rank{rank}.pt")
 
@@ -1353,6 +1429,27 @@ def test_fsdp_direct_route_on_local_shards(
             if name.startswith(("param/", "state/")):
                 assert_bitwise(inf["after"][name], value, f"rank {rank}: {name} after the Inf")
     check_lockstep(config, fsdp, f"records_{config}_{kind}", exact=False, kind=kind)
+
+
+@pytest.mark.parametrize("config", PARAM_NORM_RUNS)
+def test_fsdp_dreamerv3_reuses_param_norms_until_a_param_is_written(
+    config: str, fsdp: list[dict[str, Any]]
+) -> None:
+    """A sharded DreamerV3 step reads no large shard for its norm when the shard's last update
+    took it (forward and backward in between included), and reads every shard written since
+    (the version counters of the shard and its DTensor): after every param is scaled in place,
+    A (which kept its squares) steps bit for bit as B (which dropped them); after one weight is
+    scaled, only that shard is read again."""
+    for rank, result in enumerate(fsdp):
+        records = result["param_norms"][config]
+        n = records[0]["reused_A"][1]
+        assert n >= 2, (rank, n)  # (the small MLP's weight shards step on the direct route)
+        want = [0, n, 0, n, n - 1]
+        assert [r["reused_A"][0] for r in records] == want, rank
+        assert records[2]["reused_B"][0] == 0, rank
+        for t, record in enumerate(records):
+            for name, value in record["A"].items():
+                assert_bitwise(value, record["B"][name], f"rank {rank}, step {t + 1}: {name}")
 
 
 def test_fsdp_state_is_sharded_like_the_params(fsdp: list[dict[str, Any]]) -> None:
