@@ -760,6 +760,17 @@ def sum_over_shards(t: Tensor, of: Sequence[Tensor] | None = None) -> Tensor:
         return t
     if _ACROSS is not None:  # a part of a sharded group: summed over the ranks by the engine
         return across_total(t, ("ranks", [t]), of)
+    if (
+        type(t) is Tensor
+        and not t.requires_grad
+        and not torch.compiler.is_compiling()
+        and torch._C._functorch.peek_interpreter_stack() is None
+    ):
+        # eager, outside autograd and torch.func: c10d's own in-place all_reduce on a copy
+        # (the functional collective's wrapping measured about 0.08 ms more CPU per call)
+        summed = t.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(summed, group=_SHARDED)
+        return summed
     from torch.distributed import _functional_collectives as fc
 
     out: Tensor = fc.all_reduce(t, "sum", _SHARDED)
