@@ -614,11 +614,12 @@ class FlatBucket:
         return torch.stack([torch.cat(g_sq), torch.cat(p_sq)])
 
     def _param_square(self, i: int) -> Tensor | None:
-        """Direct param ``i``'s sum of squares as its last sharded step's kernel wrote it
-        (:func:`_apply_squares`), where neither its shard's nor its ``DTensor``'s version
-        counter has moved since (nothing wrote the param in place: ``load_state_dict``, DCP,
-        ``torch.no_grad()`` ops); else ``None``. A write PyTorch does not version (through
-        ``p.data``) is not seen: see ``docs/distributed.md``."""
+        """Direct param ``i``'s sum of squares as its last sharded step took it, right after
+        its kernel wrote it (the dot product :meth:`squares` would take), where neither its
+        shard's nor its ``DTensor``'s version counter has moved since (nothing wrote the param
+        in place: ``load_state_dict``, DCP, ``torch.no_grad()`` ops); else ``None``. A write
+        PyTorch does not version (through ``p.data``) is not seen: see
+        ``docs/distributed.md``."""
         entry = self.param_squares.get(i)
         if entry is None:
             return None
