@@ -814,7 +814,8 @@ def distributed_table(quick: bool, clock_name: str) -> str:
     sys.path.insert(0, str(Path(__file__).parent))
     import distributed
 
-    layers, width, steps, warmup = (2, 512, 5, 2) if quick else (6, 1024, 15, 3)
+    # (200 steps: a step is a few ms, and the median of 15 moved by 10% between runs)
+    layers, width, steps, warmup = (2, 512, 5, 2) if quick else (6, 1024, 200, 3)
     rows = distributed.rows(layers, width, steps, warmup, clock_name)
     return (
         f"FSDP2, {distributed.WORLD} gloo ranks of one thread, {layers} x Linear({width}, "
