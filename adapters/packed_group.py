@@ -1044,6 +1044,7 @@ class PackedGroup:
                 for q, i in enumerate(self.direct)
             ],
             (lambda: self._param_squares(params)) if self.sharded else None,
+            host_reads=True,
         )
 
     def _param_squares(self, params: list[Tensor]) -> list[Tensor]:

@@ -389,6 +389,7 @@ def gradient_reductions_pass(
     count: int,
     leading: tuple[str, ...],
     param_squares: Callable[[], list[Tensor]] | None = None,
+    host_reads: bool = False,
 ) -> list[tuple[Tensor, ...]] | None:
     """The partials of a pass that :func:`gradient_reductions` recognized (``count`` per param,
     the ``leading`` ones reductions of the gradients), for the params with gradients
@@ -399,7 +400,9 @@ def gradient_reductions_pass(
     local norms of its gradient (``g``) and its param (``p``: from ``param_squares()``, each
     param's sum of squares, in at least float32). ``None`` unless every gradient is float32 or
     float64 (the compiled pass takes a 16-bit one's norm another way), or where a partial needs
-    the params and ``param_squares`` is not given."""
+    the params and ``param_squares`` is not given. ``host_reads`` (``TransformOptimizer``'s
+    step, not the pure API's, which never reads a tensor's value on the host): a finite check
+    beside a clip's sum of squares may read their total (see :func:`_non_finite_counts`)."""
     if not all(g.dtype in (torch.float32, torch.float64) for g in grads):
         return None
     if param_squares is None and any(kind.startswith("norms:") for kind in leading):
@@ -417,6 +420,9 @@ def gradient_reductions_pass(
                 found[name] = param_squares()
         return found[name]
 
+    shortcut = host_reads and "squares" in leading and "non-finite" in leading
+    if shortcut:
+        squares_of("g")  # (first: the finite check may take its counts from them)
     columns: list[list[Tensor]] = []
     for kind in leading:
         if kind == "squares":
@@ -431,10 +437,27 @@ def gradient_reductions_pass(
             else:
                 columns.append([_lists.stack(list(row)) for row in zip(*per_name, strict=True)])
         else:
-            counts = _lists._finite_flags(grads).logical_not().to(torch.float32)
-            columns.append(list(counts.unbind()))
+            columns.append(_non_finite_counts(grads, found.get("g") if shortcut else None))
     rows = [list(values) for values in zip(*columns, strict=True)]
     return [tuple(row + [row[0]] * (count - len(row))) for row in rows]
+
+
+def _non_finite_counts(grads: list[Tensor], squares: list[Tensor] | None) -> list[Tensor]:
+    """Each gradient's count of non-finite tensors (``1.0`` or ``0.0``, float32), as a finite
+    check takes it. With the gradients' sums of squares ``squares`` already taken (a clip's,
+    in the same pass) on the CPU, where reading one value costs no device sync: when their
+    total is finite, no element of any gradient is NaN or infinite (a NaN or an infinity makes
+    its square and every sum with it non-finite), so every count is zero without another read
+    of the gradients; otherwise (a non-finite element, or finite ones whose squares overflow)
+    the counts come from each gradient's smallest and largest elements."""
+    if (
+        squares
+        and all(g.device.type == "cpu" for g in grads)
+        and bool(torch.isfinite(_lists.stack(squares).sum()))
+    ):
+        return list(torch.zeros(len(grads), dtype=torch.float32).unbind())
+    counts = _lists._finite_flags(grads).logical_not().to(torch.float32)
+    return list(counts.unbind())
 
 
 def labelled_call(
@@ -463,6 +486,7 @@ def large_parts(
     grads: list[Tensor],
     compiled: Callable[[], list[Any]],
     param_squares: Callable[[], list[Tensor]] | None = None,
+    host_reads: bool = False,
 ) -> tuple[list[Any], int]:
     """One totals pass over the large params (both engines'): their partials, and how many of
     each param's leading partials are exact. What the pass computes is found once (``probe()``,
@@ -472,7 +496,11 @@ def large_parts(
     if key not in probes:
         probes[key] = probe()
     count, leading = probes[key]
-    parts = gradient_reductions_pass(grads, count, leading, param_squares) if leading else None
+    parts = (
+        gradient_reductions_pass(grads, count, leading, param_squares, host_reads)
+        if leading
+        else None
+    )
     if parts is None:
         return compiled(), 1
     return parts, len(leading)

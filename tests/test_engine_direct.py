@@ -789,3 +789,57 @@ def test_a_norm_of_the_gradients_is_one_multi_tensor_norm_of_the_same_bits(
         runs.append([p.clone() for p in tree.leaves(params)])
     assert counts == [3 * 3, 3 * 3 * 2]  # a compiled partials call per leaf only in the second
     assert_bitwise(runs[0], runs[1])
+
+
+def test_adapter_takes_the_finite_check_from_the_clips_squares_when_they_are_finite(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``TransformOptimizer`` stepping ``apply_if_finite(chain(clip_by_global_norm, adam))`` on
+    the direct route reads the gradients once for both reductions when the clip's sums of
+    squares total a finite value (then no element is NaN or infinite: no second pass for the
+    finite check), and counts exactly otherwise: a gradient of finite values whose squares
+    overflow float32 is applied, one with a NaN is skipped. Every step within rounding of the
+    eager update."""
+    from functional_opt import _lists
+
+    passes = []
+    finite_flags = _lists._finite_flags
+
+    def counted(xs: Any) -> Tensor:
+        passes.append(len(xs))
+        return finite_flags(xs)
+
+    monkeypatch.setattr(_lists, "_finite_flags", counted)
+    tx = _GIVEN_REDUCTIONS["finite-clip-adam"]()
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(40, 30), (500,), (20, 25)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref = [p.detach().clone() for p in params]
+    ref_state = tx.init(ref)
+    opt = TransformOptimizer(params, tx)
+    opt.fused_min_numel, opt.direct_min_numel = 0, 100  # type: ignore[attr-defined]
+    numel = sum(p.numel() for p in params)
+    for k, fault in enumerate([None, "overflow", None, "nan", None]):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if fault == "overflow":
+            grads[0][3, 4] = 1e30  # (finite; its square is not)
+        if fault == "nan":
+            grads[1][7] = float("nan")
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        before = len(passes)
+        opt.step()
+        exact = len(passes) > before
+        updates, ref_state = tx.update([g.clone() for g in grads], ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        assert opt._layouts[0].engine.direct == [0, 1, 2]  # type: ignore[attr-defined]
+        # the exact count (a pass over the gradients) only where the squares are not finite
+        if k:  # (the first step finds its route: eager probes of the passes)
+            assert exact == (fault is not None), (k, fault)
+        assert_close_rounding(
+            [p.detach() for p in params],
+            ref,
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
+            scale=[r.abs() + 1e-2 for r in ref],
+        )
