@@ -142,6 +142,15 @@ class DreamerV3Optimizer(TransformOptimizer):
             warmup_steps=warmup_steps,
         )
 
+    def forget_param_norms(self) -> None:
+        """:meth:`TransformOptimizer.forget_param_norms`, for the flat buckets' sharded steps
+        too."""
+        buckets: dict[int, tuple[_Layout, list[FlatBucket]]] = self.__dict__.get("_buckets", {})
+        for _, flat in buckets.values():
+            for bucket in flat:
+                bucket.param_squares.clear()
+        super().forget_param_norms()
+
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
         params: list[Tensor] = group["params"]
         buckets: dict[int, tuple[_Layout, list[FlatBucket]]]

@@ -1089,6 +1089,18 @@ class TransformOptimizer(torch.optim.Optimizer):
                 src.append(new)
         _copy_state(dst, src)
 
+    def forget_param_norms(self) -> None:
+        """Make the next step take every param's norm from the param itself. A sharded step
+        (FSDP2, HSDP) of a transform that clips by param norms (DreamerV3's) reuses each large
+        local shard's ``||p||^2`` from its last update while the version counters of the shard
+        and its ``DTensor`` say nothing wrote the param since; a write through ``p.data`` moves
+        no version counter: call this after one (see ``docs/distributed.md``). Params that are
+        not sharded never have their norms kept."""
+        for layout in self._layouts:
+            engine = None if layout is None else layout.engine
+            if isinstance(engine, PackedGroup):
+                engine.param_squares.clear()
+
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``, holding tensors and plain data only: a group option that is
         not plain data (a function, e.g. a ``mask``, or another object) is left out, as it cannot

@@ -277,6 +277,28 @@ def test_dreamerv3_matches_pure_transform() -> None:
     _against_pure(opt, model, fo.dreamerv3(lr=1e-2, warmup=3, agc=0.2), 25)
 
 
+@pytest.mark.parametrize("kind", ["dreamerv3-optimizer", "transform-optimizer"])
+def test_forgetting_param_norms_of_plain_params_changes_nothing(kind: str) -> None:
+    """``forget_param_norms`` (for sharded steps, which keep each large shard's param norm
+    between steps) may be called on any optimizer, before or between steps: plain params keep
+    no norms, so the steps are bit for bit those without the calls."""
+    runs = []
+    for forget in (False, True):
+        model = make_model()
+        if kind == "dreamerv3-optimizer":
+            opt: Any = DreamerV3Optimizer(model.parameters(), lr=1e-2, warmup_steps=0)
+        else:
+            opt = TransformOptimizer(model.parameters(), fo.dreamerv3(1e-2, warmup=0))
+        for k in range(3):
+            if forget:
+                opt.forget_param_norms()
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01 * (k + 1))
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert_bitwise(runs[1], runs[0])
+
+
 def test_transform_optimizer_bit_matches_pure_bf16() -> None:
     """Same transform, same gradients: the in-place step is apply_updates, bit for bit."""
     model = make_model(torch.bfloat16)

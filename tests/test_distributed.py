@@ -972,21 +972,15 @@ def reused_squares(opt: torch.optim.Optimizer) -> tuple[int, int]:
     return sum(b.reused_squares for b in buckets), sum(len(b.direct) for b in buckets)
 
 
-def forget_squares(opt: torch.optim.Optimizer) -> None:
-    layouts = opt.__dict__.get("_layouts") or [None]
-    engine = getattr(layouts[0], "engine", None)
-    for holder in [engine] if engine else opt.__dict__["_buckets"][0][1]:
-        holder.param_squares.clear()
-
-
 def _fsdp_param_norms(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
     """A sharded DreamerV3 step takes each large shard's ``||p||^2`` from the step before (its
     update took it as it wrote the shard) unless something wrote the param since. Per config,
     two identical tiny models and optimizers A and B train on the same batches with real
     forward and backward passes for 4 steps; before step 3 every param of both is scaled in
-    place under ``torch.no_grad()`` and B drops what it kept (so it reads every shard); before
-    step 4 only the last weight of both is scaled. Records, per step, how many squares each
-    reused (of how many), and both models' whole params after it."""
+    place under ``torch.no_grad()`` and B forgets what it kept (``forget_param_norms``: it
+    reads every shard); before step 4 only the last weight of both is scaled. Records, per
+    step, how many squares each reused (of how many), and both models' whole params after
+    it."""
     import functional_opt.adapters.flat_dreamerv3 as flat
 
     out: dict[str, Any] = {}
@@ -1011,7 +1005,7 @@ def _fsdp_param_norms(mesh: DeviceMesh, rank: int) -> dict[str, Any]:
                             for p in model.parameters() if t == 2 else [model[-1].weight]:
                                 p.mul_(1.5)
                 if t == 2:
-                    forget_squares(pairs[1][1])
+                    pairs[1][1].forget_param_norms()  # type: ignore[attr-defined]
                 record: dict[str, Any] = {}
                 for name, (model, opt) in zip("AB", pairs, strict=True):
                     x, y = local(batches[t], rank, WORLD)
