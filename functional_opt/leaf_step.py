@@ -413,7 +413,8 @@ def gradient_reductions_pass(
         if name not in found:
             if name == "g":
                 # last to first: the first params' gradients are then the ones still in cache
-                # when their updates start (a sharded step updates in the params' order)
+                # when their updates start (the direct steps run in the params' order; measured
+                # on a sharded DreamerV3 step, 1.27-1.29x -> 1.24-1.25x)
                 found[name] = [n.square() for n in _lists.local_norms(grads[::-1])][::-1]
             else:
                 assert param_squares is not None
