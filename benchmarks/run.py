@@ -388,8 +388,11 @@ PURE_PLAIN = (
     "dreamerv3",
     "chain(clip_by_global_norm, adamw)",
     "apply_if_finite(chain(clip_by_global_norm, adamw))",
+    "partition(adam: matrices, sgd momentum: vectors)",
 )
 """The chains whose pure update and ``fused_step`` over plain trees the bench times."""
+
+PARTITION = "partition(adam: matrices, sgd momentum: vectors)"
 
 METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "Adam fused": lambda ps: torch_adam(ps, fused=True),
@@ -427,7 +430,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
         f"ours: pure fused {c}, packed, donated": functools.partial(
             ours_pure_chain, chain=c, engine=True
         )
-        for c in ("adam", "chain(clip_by_global_norm, adamw)")
+        for c in ("adam", "chain(clip_by_global_norm, adamw)", PARTITION)
     },
     **{
         f"ours: pure fused {c}, plain trees, donated": functools.partial(
@@ -437,7 +440,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     },
     **{
         f"ours: pure fused_step {c}, packed": functools.partial(ours_fused_step, chain=c)
-        for c in ("adam", "chain(clip_by_global_norm, adamw)", "dreamerv3")
+        for c in ("adam", "chain(clip_by_global_norm, adamw)", "dreamerv3", PARTITION)
     },
     **{
         f"ours: pure fused_step {c}, plain trees": functools.partial(
@@ -447,7 +450,6 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
             *PURE_PLAIN,
             "adamw, no decay on vectors",
             "MultiSteps(adamw, 4), a mini-step",
-            "partition(adam: matrices, sgd momentum: vectors)",
         )
     },
     "ours: pure chain(clip_by_global_norm, adamw), plain trees, donated": functools.partial(

@@ -63,6 +63,21 @@ def _buffered(x: Any) -> bool:
     return isinstance(x, Packed) and x.buffers is not None and not x.structure.batch
 
 
+def _packed_pair(params: Any, grads: Any) -> bool:
+    """Whether ``params`` and ``grads`` are packed trees (held in buffers or loose) of one
+    structure that no autograd records."""
+    return (
+        isinstance(params, Packed)
+        and isinstance(grads, Packed)
+        and params.structure == grads.structure
+        and not torch.compiler.is_compiling()
+        and not (
+            torch.is_grad_enabled()
+            and any(b.requires_grad for x in (params, grads) for b in (x.buffers or ()))
+        )
+    )
+
+
 def _buffers(tree: Any) -> list[Any]:
     return list(tree.buffers) if _buffered(tree) else []
 
@@ -344,6 +359,10 @@ def fused_step(
             new_state = plain(params, grads, state)
             if new_state is not None:
                 return params, new_state
+        if isinstance(plain, PlainLabelParts) and _packed_pair(params, grads):
+            done = plain.packed(params, grads, state, None)  # (its leaves, a plain tree)
+            if done is not None:
+                return params, done[1]
         if (
             buffers is None
             or not _buffered(grads)
@@ -379,13 +398,26 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
-    plain = PlainTreeStep(tx, runner, updates_only=True) if fusable(tx) else None
+    plain: PlainTreeStep | PlainLabelParts | None = None
+    if fusable(tx):
+        plain = PlainTreeStep(tx, runner, updates_only=True)
+    elif has_leaf_labels(tx):  # (partition: an update per set of labels)
+        plain = PlainLabelParts(tx, lambda: Runner(tx), updates_only=True)
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         if plain is not None and not _buffered(updates) and set(extra) <= {DONATE}:
             done = plain.update(updates, state, params, donate_mode(extra))
+            if done is not None:
+                return done
+        if (
+            isinstance(plain, PlainLabelParts)
+            and set(extra) <= {DONATE}
+            and isinstance(params, Packed)
+            and _packed_pair(params, updates)
+        ):
+            done = plain.packed(params, updates, state, donate_mode(extra))
             if done is not None:
                 return done
         return runner(updates, state, params, extra)

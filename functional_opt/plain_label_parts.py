@@ -41,6 +41,7 @@ from functional_opt.base import (
     part_labels,
     pinned,
 )
+from functional_opt.packed import Packed
 from functional_opt.plain_trees import PlainTreeStep
 
 __all__ = ["PlainLabelParts"]
@@ -52,9 +53,14 @@ class PlainLabelParts:
     in place and returns the new state, or ``None`` where it does not apply (nothing written:
     the caller runs the transform's own update)."""
 
-    def __init__(self, tx: GradientTransformation, make_runner: Any) -> None:
+    def __init__(
+        self, tx: GradientTransformation, make_runner: Any, updates_only: bool = False
+    ) -> None:
         self.tx = tx
         self.make_runner = make_runner
+        self.updates_only = updates_only
+        """Whether this only runs :meth:`update` (each part's step then is one that only reads
+        its params: see :class:`~functional_opt.plain_trees.PlainTreeStep`)."""
         self.plans: dict[Any, tuple[list[tuple[list[int], Stages]], dict[int, int]] | None] = {}
         """By the structure of the params and the state and the leaves' labels: what
         :meth:`_plan` found."""
@@ -68,6 +74,84 @@ class PlainLabelParts:
         self, params: Any, grads: Any, state: OptState, *, into_held: bool = False
     ) -> OptState | None:
         """``into_held``: as :class:`PlainTreeStep`'s, for each part's step."""
+        done = self._parts(params, grads, state, None, into_held)
+        return None if done is None else done[1]
+
+    def update(
+        self, grads: Any, state: OptState, params: Any, donate: bool | str = True
+    ) -> tuple[Any, OptState] | None:
+        """``tx.update(grads, state, params, donate=donate)`` over plain trees (``fused(tx)``'s
+        update): each part's :meth:`PlainTreeStep.update`, which writes the part's update into
+        its gradients (donated) or fresh tensors and only reads the params. Returns
+        ``(updates, new_state)``, or ``None`` where it does not apply (nothing written: the
+        caller runs the transform's own update)."""
+        if params is None:
+            return None
+        return self._parts(params, grads, state, donate, False)
+
+    def packed(
+        self, params: Packed, grads: Packed, state: OptState, donate: bool | str | None
+    ) -> tuple[Any, OptState] | None:
+        """The step (``donate is None``) or the update (see :meth:`update`) over packed trees
+        of one structure: their leaves (views of the buffers, which the step writes through)
+        stepped as a plain tree, the state's packed per-parameter subtrees (a label's state,
+        ``None`` at the other labels' leaves) as plain trees too, and the results packed
+        again (loose, except updates written into the gradients: ``grads`` itself). ``None``
+        where it does not apply (batch dimensions, a ``Packed`` without a tree, a state whose
+        packed nodes are not of the params' structure); nothing is written then."""
+        if (
+            params.structure.batch
+            or grads.structure.batch
+            or params.structure.spec != grads.structure.spec
+        ):
+            return None
+        flat, flat_spec = optree.tree_flatten(
+            state, is_leaf=_is_packed, none_is_leaf=True, namespace=tree.NAMESPACE
+        )
+        nodes = [x if isinstance(x, Packed) else None for x in flat]
+        try:
+            params_tree, grads_tree = params.tree, grads.tree
+            loose = [x.tree if isinstance(x, Packed) else x for x in flat]
+        except TypeError:  # (a Packed holding other values than tensors)
+            return None
+        n = len(optree.tree_leaves(params_tree, none_is_leaf=True, namespace=tree.NAMESPACE))
+        spec = optree.tree_structure(params_tree, none_is_leaf=True, namespace=tree.NAMESPACE)
+        # every packed node of the state must be a per-parameter subtree, and nothing else
+        _, _, per = _split(loose, spec, type(params_tree), n)
+        if [p is not None for p in per] != [x is not None for x in nodes]:
+            return None
+        done = self._parts(
+            params_tree, grads_tree, optree.tree_unflatten(flat_spec, loose), donate, False
+        )
+        if done is None:
+            return None
+        updates, new_state = done
+        outer, _, new_per = _split(new_state, spec, type(params_tree), n)
+        if len(outer) != len(nodes) or [p is not None for p in new_per] != [
+            x is not None for x in nodes
+        ]:
+            raise RuntimeError("fused_step: the update changed the state's structure")
+        repacked = optree.tree_unflatten(
+            flat_spec,
+            [
+                x if node is None else Packed(node.structure, tree=x)
+                for x, node in zip(outer, nodes, strict=True)
+            ],
+        )
+        if donate is None or updates is grads_tree:
+            return (grads if donate is not None else None), repacked
+        return Packed(grads.structure, tree=updates), repacked
+
+    def _parts(
+        self,
+        params: Any,
+        grads: Any,
+        state: OptState,
+        donate: bool | str | None,
+        into_held: bool,
+    ) -> tuple[Any, OptState] | None:
+        """The step (``donate is None``: params stepped in place, no updates returned) or the
+        update with that donation, part by part; ``(updates or None, new state)``."""
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
         gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
         if (
@@ -83,25 +167,44 @@ class PlainLabelParts:
             return None
         runs, owners = plan
         new_outer: list[Any] = [None if leaves is None else list(leaves) for leaves in per]
+        out_updates: list[Any] = list(gs)
         for k, (mine, labels) in enumerate(runs):
             sub_state = _cut(outer, outer_spec, per, mine)
             sub_params, sub_grads = [ps[i] for i in mine], [gs[i] for i in mine]
             with pinned(labels):
                 new_sub = None
+                sub_updates: list[Any] | None = None
                 if mine:
                     step = self.steps.get(labels)
                     if step is None:
-                        step = self.steps[labels] = PlainTreeStep(self.tx, self.make_runner())
-                    new_sub = step(sub_params, sub_grads, sub_state, into_held=into_held)
+                        step = self.steps[labels] = PlainTreeStep(
+                            self.tx, self.make_runner(), updates_only=self.updates_only
+                        )
+                    if donate is None:
+                        new_sub = step(sub_params, sub_grads, sub_state, into_held=into_held)
+                    else:
+                        done = step.update(sub_grads, sub_state, sub_params, donate)
+                        if done is not None:
+                            sub_updates, new_sub = list(done[0]), done[1]
                 if new_sub is None:
                     if k == 0 and mine:
                         return None  # (nothing written yet: the transform's own update)
                     accepted = extra_keywords(self.tx)
-                    # (the state only: a plain-tree step reads the gradients, never writes them)
                     ok = accepted is None or DONATE in accepted
-                    donate = {DONATE: STATE_ONLY} if ok else {}
-                    updates, new_sub = self.tx.update(sub_grads, sub_state, sub_params, **donate)
-                    apply_updates(sub_params, updates, donate=True)
+                    kw: dict[str, bool | str]
+                    if donate is None:
+                        # (the state only: a plain-tree step reads the gradients, never
+                        # writes them)
+                        kw = {DONATE: STATE_ONLY} if ok else {}
+                        updates, new_sub = self.tx.update(sub_grads, sub_state, sub_params, **kw)
+                        apply_updates(sub_params, updates, donate=True)
+                    else:
+                        kw = {DONATE: donate} if ok and donate is not False else {}
+                        updates, new_sub = self.tx.update(sub_grads, sub_state, sub_params, **kw)
+                        sub_updates = list(updates)
+                if sub_updates is not None:
+                    for i, u in zip(mine, sub_updates, strict=True):
+                        out_updates[i] = u
             sub_outer, sub_spec, sub_per = _split(new_sub, _list_spec(len(mine)), list, len(mine))
             if sub_spec != outer_spec:
                 raise RuntimeError("fused_step: a part's update changed the state's structure")
@@ -123,7 +226,12 @@ class PlainLabelParts:
             else optree.tree_unflatten(spec, new_outer[j])
             for j, x in enumerate(outer)
         ]
-        return optree.tree_unflatten(outer_spec, out)
+        new_state = optree.tree_unflatten(outer_spec, out)
+        if donate is None:
+            return None, new_state
+        if all(map(operator.is_, out_updates, gs)):
+            return grads, new_state
+        return optree.tree_unflatten(spec, out_updates), new_state
 
     def _plan(
         self, params: Any, spec: Any, outer: list[Any], outer_spec: Any, per: list[Any]
@@ -188,6 +296,10 @@ class PlainLabelParts:
                 labels = None
             known = self.labelled = (ps, spec, labels)
         return known[2]
+
+
+def _is_packed(x: Any) -> bool:
+    return isinstance(x, Packed)
 
 
 def _meta(x: Any) -> Any:
@@ -269,7 +381,9 @@ def _split(
         leaves, node_spec = optree.tree_flatten(
             cast(Any, node), none_is_leaf=True, namespace=tree.NAMESPACE
         )
-        if node_spec != spec or not all(x is None or isinstance(x, Tensor) for x in leaves):
+        if node_spec != spec or not all(
+            t is type(None) or issubclass(t, Tensor) for t in set(map(type, leaves))
+        ):
             return False
         found[id(node)] = leaves
         return True

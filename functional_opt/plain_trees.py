@@ -507,8 +507,13 @@ class PlainTreeStep:
                 return None
             if not all(p.is_floating_point() and p.layout == torch.strided for p in ps):
                 return None
-            if not self.updates_only and len(_storages(ps)) != _nonempty(ps):
-                return None
+            if (
+                not self.updates_only
+                and len(_storages(ps)) != _nonempty(ps)
+                and _lists.overlapping(ps)
+            ):
+                return None  # (params written twice: tied by memory; a packed tree's leaves,
+                # views of one buffer that do not overlap, are stepped each in its own place)
             facts = self.known = _Facts(ps, self.leafwise)
         if not set(map(type, gs)) <= _lists._PLAIN:
             return None
@@ -732,6 +737,15 @@ def _on(fn: Any, x: Any) -> Any:
     return optree.tree_map(fn, x, none_is_leaf=True, namespace=tree.NAMESPACE)
 
 
+def _shaped(leaves: list[Any], shapes: list[torch.Size]) -> bool:
+    """Whether ``leaves`` are tensors of the ``shapes`` (one C-level pass: ``Tensor.size`` of
+    anything else raises)."""
+    try:
+        return list(map(Tensor.size, leaves)) == shapes
+    except TypeError:
+        return False
+
+
 def _per_param(
     state: OptState,
     spec: Any,
@@ -761,9 +775,7 @@ def _per_param(
         known = seen.get(id(node))
         if not (
             known is not None and known[0] is node and all(map(operator.is_, leaves, known[1]))
-        ) and not all(
-            isinstance(x, Tensor) and x.shape == s for x, s in zip(leaves, shapes, strict=True)
-        ):
+        ) and not _shaped(leaves, shapes):
             return False
         found[id(node)] = node, leaves
         return True

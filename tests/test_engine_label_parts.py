@@ -8,9 +8,11 @@ code round the same math differently); counters and state structure must be equa
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 from conftest import (
@@ -21,7 +23,7 @@ from conftest import (
 )
 
 import functional_opt as fo
-from functional_opt import plain_trees
+from functional_opt import plain_trees, tree
 from functional_opt.adapters import TransformOptimizer
 from functional_opt.adapters.label_parts import LabelParts
 
@@ -332,3 +334,126 @@ def test_new_params_of_one_structure_are_labelled_afresh() -> None:
         updates, ref_state = tx.update(grads, ref_state, ref)
         ref = fo.apply_updates(ref, updates)
         assert_same_steps_then_sync(params, ref, [p.detach() for p in _params(0, shapes)], 4)
+
+
+@pytest.fixture
+def plain_updates(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of a plain-tree step's ``update`` updated its tree (``False``: it
+    refused)."""
+    calls: list[bool] = []
+    original = plain_trees.PlainTreeStep.update
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(plain_trees.PlainTreeStep, "update", counted)
+    return calls
+
+
+def _assert_same_pure_state(state: Any, ref_state: Any, steps: int) -> None:
+    """The same entries; counters equal, the rest within rounding (rule 2 of tests/README.md)."""
+    got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if value.dtype in (torch.int32, torch.int64):
+            assert torch.equal(got[key], value), key
+        else:
+            assert_close_rounding(
+                got[key],
+                value,
+                dtype=torch.float32,
+                ops=ELEMENTWISE_OPS * steps,
+                scale=value.abs() + 1e-3,
+            )
+
+
+@pytest.mark.parametrize("donate", [True, "state", False])
+@pytest.mark.parametrize("name", ["partition", "injected-aliases", "masked-adam"])
+def test_fused_update_over_a_plain_tree_updates_each_label_as_a_part(
+    name: str, donate: bool | str, plain_updates: list[bool]
+) -> None:
+    """``fo.fused(tx).update`` of such a transform over a plain list, as in a pure training
+    loop of ``update`` + ``apply_updates``: one plain-tree update per set of labels (compiled)
+    instead of the transform's own eager update, with each donation mode's contract: donated
+    gradients hold the updates, gradients not donated are left as they were, and a state not
+    donated too; 3 steps equal to the transform's own update within rounding."""
+    shapes = [*SHAPES, (300, 120), (40000,)]  # (two large leaves: stepped alone)
+    tx = PURE[name]()
+    fast = fo.fused(tx)
+    params = [p.detach() for p in _params(0, shapes)]
+    ref = [p.clone() for p in params]
+    state, ref_state = tx.init(params), tx.init(ref)
+    for t in range(3):
+        grads = _grads(50 + t, shapes)
+        given = [g.clone() for g in grads]
+        held = [x.clone() for x in fo.state_to_dict(state).values()]
+        updates, state_after = fast.update(given, state, params, donate=donate)
+        want, ref_state = tx.update(grads, ref_state, ref)
+        if donate is True:
+            assert all(u is g for u, g in zip(updates, given, strict=True))
+        else:
+            assert all(torch.equal(g, h) for g, h in zip(given, grads, strict=True))
+        if donate is False:  # (the state given is as it was)
+            for x, h in zip(fo.state_to_dict(state).values(), held, strict=True):
+                assert torch.equal(x, h)
+        for u, w in zip(updates, want, strict=True):
+            assert_close_rounding(u, w, dtype=torch.float32, ops=ELEMENTWISE_OPS * (t + 1))
+        state = state_after
+        before = [p.clone() for p in ref]
+        params = fo.apply_updates(params, updates)
+        ref = fo.apply_updates(ref, want)
+        assert_same_steps_then_sync(params, ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    assert plain_updates == [True] * 3 * 2  # (matrices and vectors, none refused)
+    _assert_same_pure_state(state, ref_state, 3)
+
+
+def _node_types(state: Any) -> list[type]:
+    """The state's leaves' types, with packed trees taken as leaves."""
+    return [
+        type(x)
+        for x in optree.tree_leaves(
+            state,
+            is_leaf=lambda x: isinstance(x, fo.Packed),
+            none_is_leaf=True,
+            namespace=tree.NAMESPACE,
+        )
+    ]
+
+
+@pytest.mark.parametrize("name", ["partition", "injected-aliases", "masked-adam"])
+def test_packed_trees_step_each_label_as_a_part(
+    name: str, plain_calls: list[bool], plain_updates: list[bool]
+) -> None:
+    """Over packed trees (``fo.pack``) too: ``fo.fused_step`` and the donated
+    ``fo.fused(tx).update`` step the packed leaves (views of the buffers) per set of labels,
+    writing through the views (the params' and gradients' buffers stay the ones given), with
+    each label's state packed at the params' structure as ``tx.init`` made it; 3 steps equal
+    to the transform's own update over the plain list."""
+    shapes = [*SHAPES, (300, 120)]
+    tx = PURE[name]()
+    step, fast = fo.fused_step(tx), fo.fused(tx)
+    plain = [p.detach() for p in _params(0, shapes)]
+    by_step, by_update = fo.pack([p.clone() for p in plain]), fo.pack([p.clone() for p in plain])
+    buffers = [*by_step.buffers, *by_update.buffers]  # type: ignore[misc]
+    s_step, s_update, ref_state = tx.init(by_step), tx.init(by_update), tx.init(plain)
+    ref = plain
+    for t in range(3):
+        grads = _grads(60 + t, shapes)
+        before = [p.clone() for p in ref]
+        by_step, s_step = step(by_step, fo.pack([g.clone() for g in grads]), s_step)
+        packed_grads = fo.pack([g.clone() for g in grads])
+        updates, s_update = fast.update(packed_grads, s_update, by_update, donate=True)
+        assert updates is packed_grads  # (written into the donated gradients' buffers)
+        by_update = fo.apply_updates(by_update, updates, donate=True)
+        want, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, want)
+        for got in (by_step, by_update):
+            assert isinstance(got, fo.Packed)
+            assert_same_steps_then_sync(list(got.tree), ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    assert all(map(operator.is_, [*by_step.buffers, *by_update.buffers], buffers))  # type: ignore[misc]
+    assert plain_calls == [True] * 3 * 2 and plain_updates == [True] * 3 * 2
+    for state in (s_step, s_update):
+        assert _node_types(state) == _node_types(tx.init(fo.pack(plain)))
+        _assert_same_pure_state(state, ref_state, 3)
