@@ -457,3 +457,28 @@ def test_packed_trees_step_each_label_as_a_part(
     for state in (s_step, s_update):
         assert _node_types(state) == _node_types(tx.init(fo.pack(plain)))
         _assert_same_pure_state(state, ref_state, 3)
+
+
+@pytest.mark.parametrize("donate", [True, "state", False])
+def test_a_part_the_plain_tree_update_refuses_runs_its_own_update(
+    donate: bool | str, plain_updates: list[bool]
+) -> None:
+    """``fo.fused(tx).update``: a part refused after another was updated (a large vector whose
+    gradient is not contiguous) runs the transform's eager update under its flags, with the
+    same donation: the same updates and state as the transform's own update."""
+    shapes = [(40, 30), (30,), (6, 5), (40000,)]
+    tx = PURE["injected-aliases"]()
+    fast = fo.fused(tx)
+    params = [p.detach() for p in _params(0, shapes)]
+    state, ref_state = tx.init(params), tx.init([p.clone() for p in params])
+    for t in range(2):
+        grads = _grads(70 + t, shapes)
+        given = [g.clone() for g in grads]
+        given[3] = torch.stack([given[3], given[3]], dim=1)[:, 0]  # (a strided view)
+        assert not given[3].is_contiguous()
+        updates, state = fast.update(given, state, params, donate=donate)
+        want, ref_state = tx.update(grads, ref_state, params)
+        for u, w in zip(updates, want, strict=True):
+            assert_close_rounding(u, w, dtype=torch.float32, ops=ELEMENTWISE_OPS * (t + 1))
+    assert plain_updates == [True, False] * 2  # (the matrices updated, the vectors refused)
+    _assert_same_pure_state(state, ref_state, 2)
