@@ -322,9 +322,9 @@ def fused_step(
     buffers, stepped by the compiled graph, and the params copied back; the returned state
     holds the staged leaves' entries as views of buffers the next step reuses. A ``partition``
     (or ``masked`` of a stateful transform), not fusable over a whole tree, is stepped over a
-    plain tree as one such step per set of labels
-    (:mod:`functional_opt.plain_label_parts`). Other trees run ``tx.update`` and
-    ``apply_updates`` as they are.
+    plain or packed tree as one such step per set of labels
+    (:mod:`functional_opt.plain_label_parts`; a packed tree's leaves are views of its buffers,
+    written through). Other trees run ``tx.update`` and ``apply_updates`` as they are.
 
     Called inside a function that ``torch.compile`` traces, the step over a plain tree (a
     ``list``, ``tuple`` or ``dict`` of tensors) is one op of the graph, which runs this same
@@ -392,9 +392,12 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     eagerly with params given, over plain trees (a ``list``, ``dict`` or other tree of separate
     tensors), which it steps as :func:`fused_step` does (large leaves of a leafwise ``tx`` one
     compiled call each, the others staged through packed buffers) with the update written into
-    the gradients: donated, or copies of them (and of the state, without donation). Anything
-    else runs ``tx.update`` as it is. The first call compiles (seconds), and later calls with
-    the same layout and keywords reuse it."""
+    the gradients: donated, or copies of them (and of the state, without donation). A
+    ``partition`` (or ``masked`` of a stateful transform), not fusable over a whole tree, takes
+    it too, eagerly with params given, over plain and packed trees: one such update per set of
+    labels (:mod:`functional_opt.plain_label_parts`; a packed tree's leaves are views of its
+    buffers). Anything else runs ``tx.update`` as it is. The first call compiles (seconds),
+    and later calls with the same layout and keywords reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
