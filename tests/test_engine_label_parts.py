@@ -253,19 +253,49 @@ def _pure_lockstep(
     return state, ref_state
 
 
-@pytest.fixture
-def plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each call of a plain-tree step stepped its tree (``False``: it refused)."""
+def _outcomes(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
+    """Whether each call of a plain-tree step's ``method`` took its tree (``False``: it
+    refused), recorded from now on."""
     calls: list[bool] = []
-    original = plain_trees.PlainTreeStep.__call__
+    original = getattr(plain_trees.PlainTreeStep, method)
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(plain_trees.PlainTreeStep, "__call__", counted)
+    monkeypatch.setattr(plain_trees.PlainTreeStep, method, counted)
     return calls
+
+
+@pytest.fixture
+def plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of a plain-tree step stepped its tree (``False``: it refused)."""
+    return _outcomes(monkeypatch, "__call__")
+
+
+@pytest.fixture
+def plain_updates(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of a plain-tree step's ``update`` updated its tree (``False``: it
+    refused)."""
+    return _outcomes(monkeypatch, "update")
+
+
+def _assert_same_pure_state(state: Any, ref_state: Any, steps: int) -> None:
+    """The same entries; counters equal, the rest within rounding (rule 2 of tests/README.md)."""
+    got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if value.dtype in (torch.int32, torch.int64):
+            assert torch.equal(got[key], value), key
+        else:
+            assert_close_rounding(
+                got[key],
+                value,
+                dtype=torch.float32,
+                ops=ELEMENTWISE_OPS * steps,
+                scale=value.abs() + 1e-3,
+            )
 
 
 @pytest.mark.parametrize(
@@ -288,19 +318,7 @@ def test_fused_step_over_a_plain_tree_steps_each_label_as_a_part(
     state, ref_state = _pure_lockstep(PURE[name](), shapes, 4, lambda grads: grads)
     parts = 1 if len(shapes) == 8 else 2  # (matrices and vectors, or vectors only)
     assert plain_calls == [True] * 4 * parts  # (each part's plain-tree step, none refused)
-    got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        if value.dtype in (torch.int32, torch.int64):
-            assert torch.equal(got[key], value), key
-        else:
-            assert_close_rounding(
-                got[key],
-                value,
-                dtype=torch.float32,
-                ops=ELEMENTWISE_OPS * 4,
-                scale=value.abs() + 1e-3,
-            )
+    _assert_same_pure_state(state, ref_state, 4)
 
 
 def test_a_part_the_plain_tree_step_refuses_runs_its_own_update(plain_calls: list[bool]) -> None:
@@ -334,39 +352,6 @@ def test_new_params_of_one_structure_are_labelled_afresh() -> None:
         updates, ref_state = tx.update(grads, ref_state, ref)
         ref = fo.apply_updates(ref, updates)
         assert_same_steps_then_sync(params, ref, [p.detach() for p in _params(0, shapes)], 4)
-
-
-@pytest.fixture
-def plain_updates(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each call of a plain-tree step's ``update`` updated its tree (``False``: it
-    refused)."""
-    calls: list[bool] = []
-    original = plain_trees.PlainTreeStep.update
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(plain_trees.PlainTreeStep, "update", counted)
-    return calls
-
-
-def _assert_same_pure_state(state: Any, ref_state: Any, steps: int) -> None:
-    """The same entries; counters equal, the rest within rounding (rule 2 of tests/README.md)."""
-    got, want = fo.state_to_dict(state), fo.state_to_dict(ref_state)
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        if value.dtype in (torch.int32, torch.int64):
-            assert torch.equal(got[key], value), key
-        else:
-            assert_close_rounding(
-                got[key],
-                value,
-                dtype=torch.float32,
-                ops=ELEMENTWISE_OPS * steps,
-                scale=value.abs() + 1e-3,
-            )
 
 
 @pytest.mark.parametrize("donate", [True, "state", False])
