@@ -246,6 +246,9 @@ def optax_dreamer(params: list[torch.nn.Parameter]) -> Step | None:
     return step
 
 
+PARTITION = "partition(adam: matrices, sgd momentum: vectors)"
+"""The name of the bench's ``partition`` chain (its rows in several families)."""
+
 CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "adam": lambda: fo.adam(1e-4),
     "adamw": lambda: fo.adamw(1e-4, weight_decay=1e-2),
@@ -267,7 +270,7 @@ CHAINS: dict[str, Callable[[], fo.GradientTransformation]] = {
     "MultiSteps(adamw, 4), a mini-step": lambda: fo.multi_steps(
         fo.adamw(1e-4, weight_decay=1e-2), 4
     ),
-    "partition(adam: matrices, sgd momentum: vectors)": lambda: fo.chain(
+    PARTITION: lambda: fo.chain(
         fo.partition(
             {"adam": fo.scale_by_adam(), "sgd": fo.trace(0.9)},
             lambda ps: fo.tree_map(lambda x: "adam" if x.ndim > 1 else "sgd", ps),
@@ -388,11 +391,10 @@ PURE_PLAIN = (
     "dreamerv3",
     "chain(clip_by_global_norm, adamw)",
     "apply_if_finite(chain(clip_by_global_norm, adamw))",
-    "partition(adam: matrices, sgd momentum: vectors)",
+    PARTITION,
 )
 """The chains whose pure update and ``fused_step`` over plain trees the bench times."""
 
-PARTITION = "partition(adam: matrices, sgd momentum: vectors)"
 
 METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "Adam fused": lambda ps: torch_adam(ps, fused=True),
@@ -530,7 +532,7 @@ def bench(
     tensors would exceed :data:`MEMORY_BUDGET` together run in batches, each with fused Adam
     (a ratio is always to fused Adam measured side by side with it)."""
     others = [m for m in methods if m != "Adam fused"]
-    size = w.numel * torch.empty((), dtype=w.dtype).element_size() * PER_METHOD
+    size = w.numel * w.dtype.itemsize * PER_METHOD
     per_batch = max(1, MEMORY_BUDGET // max(size, 1) - 1)
     if "Adam fused" not in methods or len(others) <= per_batch:
         return _bench_batch(w, rounds, methods, memory)

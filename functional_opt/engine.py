@@ -27,7 +27,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -63,7 +63,7 @@ def _buffered(x: Any) -> bool:
     return isinstance(x, Packed) and x.buffers is not None and not x.structure.batch
 
 
-def _packed_pair(params: Any, grads: Any) -> bool:
+def _packed_pair(params: Any, grads: Any) -> TypeGuard[Packed]:
     """Whether ``params`` and ``grads`` are packed trees (held in buffers or loose) of one
     structure that no autograd records."""
     return (
@@ -417,7 +417,6 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
         if (
             isinstance(plain, PlainLabelParts)
             and set(extra) <= {DONATE}
-            and isinstance(params, Packed)
             and _packed_pair(params, updates)
         ):
             done = plain.packed(params, updates, state, donate_mode(extra))
