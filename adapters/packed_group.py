@@ -324,6 +324,14 @@ class PackedGroup:
         self.param_gather: Gather | None = None
         """Copies the packed params into :attr:`params` (a transform that reads them)."""
         self.probed = False
+        self.contiguous: bool | None = None
+        """Whether every param is contiguous, as :meth:`usual_grads` found it for the step
+        it let through (``None``: not known; :meth:`_fused` reads the params)."""
+        self.piece_args: dict[bool, tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}
+        """Per piecewise step reading the params or not: the buffers it was made from, and
+        per piece its views of them that the compiled step takes (see :meth:`_piece_args`)."""
+        self.piece_params: tuple[list[Tensor], list[list[Tensor]]] = ([], [])
+        """The packed params as the last piecewise step had them, and each piece's."""
         self.usual: tuple[list[int], list[dict[str, Tensor]]] | None = None
         """What the last step that ended well saw (the params' addresses, their state
         dicts), which the next step takes as its usual one (:meth:`usual_grads`); ``None``
@@ -374,6 +382,7 @@ class PackedGroup:
         :meth:`_load`), every direct param has a dense gradient of its shape and dtype, no
         param's memory moved (``p.data`` re-pointed) and every state dict is the one the last
         step used. ``None`` otherwise (the step takes the checked path). Plain groups only."""
+        self.contiguous = None
         usual = self.usual
         if usual is None or self.sharded:
             return None
@@ -397,6 +406,9 @@ class PackedGroup:
             map(operator.is_, map(states.__getitem__, params), usual[1])
         ):
             return None
+        # read now, while the params' tensors are in cache from the addresses (about a
+        # quarter of the cost of a pass of its own over 2000 params)
+        self.contiguous = self.fused_add and all(map(Tensor.is_contiguous, params))
         return grads, usual[1]
 
     def _same_table(self, states: Mapping[Tensor, dict[str, Tensor]]) -> bool:
@@ -475,9 +487,9 @@ class PackedGroup:
         The entries' dicts keep their order."""
         for name, views in self.state_views.items():
             wanted = self.state_entries[name]
-            current = [e[name] for e in entries]
-            if all(map(operator.is_, current, wanted)):
+            if all(map(operator.is_, map(operator.itemgetter(name), entries), wanted)):
                 continue
+            current = [e[name] for e in entries]
             moved = [
                 (v, _lists.local_like(c, k) if self.sharded else c)
                 for v, c, w, k in zip(views, current, wanted, self.keys, strict=True)
@@ -649,21 +661,18 @@ class PackedGroup:
         packed = pack.pack(given)
         apply = not zero_updates(self.tx, found)
         fused = self._fused(params)
+        pieces_args = self._piece_args(reads, names)
+        pieces_params = self._piece_params(params)
         for q, piece in enumerate(self.pieces):
-            b, members = piece.buffer, piece.members
-            g = piece.of(self.grads[b])
+            args = pieces_args[q]
             if copy:
-                piece.copy_in(g, [grads[j] for j in members], [views[j] for j in members])
-            args = [g]
+                members = piece.members
+                piece.copy_in(args[0], [grads[j] for j in members], [views[j] for j in members])
             if reads:
-                p = piece.of(self.piece_values[b])
-                piece.copy_in(p, [params[j] for j in members], self.piece_value_views[q])
-                args.append(p)
-            args.append(piece.of(self.piece_updates[b]))
-            args += [piece.of(self.state[name][b]) for name in names]
+                piece.copy_in(args[1], pieces_params[q], self.piece_value_views[q])
             step.kept_call(self.piece_kernels, (q, found), (*args, *packed, *self.leaf_outs))
             if apply:
-                _add([params[j] for j in members], self.piece_update_views[q], ratio, fused)
+                _add(pieces_params[q], self.piece_update_views[q], ratio, fused)
         if persist:
             self._rebind(params)
         kinds = [kind for kind, _ in self.slots]
@@ -671,6 +680,46 @@ class PackedGroup:
         return optree.tree_unflatten(
             self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         )
+
+    def _piece_args(self, reads: bool, names: list[str]) -> list[tuple[Tensor, ...]]:
+        """Per piece, the ``[rows, size]`` matrices its compiled step takes: its rows of the
+        gradient buffer, of the params' values (if the transform ``reads`` them), of the
+        update buffer and of each per-parameter state buffer (``names``). Made once, then
+        reused while those buffers are the same tensors (slicing them anew costs two tensor
+        ops per matrix per piece, every step)."""
+        values = self.piece_values if reads else []
+        buffers = [*self.grads, *values, *self.piece_updates]
+        for name in names:
+            buffers += self.state[name]
+        kept = self.piece_args.get(reads)
+        if (
+            kept is not None
+            and len(kept[0]) == len(buffers)
+            and all(map(operator.is_, kept[0], buffers))
+        ):
+            return kept[1]
+        made = []
+        for piece in self.pieces:
+            b = piece.buffer
+            args = [piece.of(self.grads[b])]
+            if reads:
+                args.append(piece.of(self.piece_values[b]))
+            args.append(piece.of(self.piece_updates[b]))
+            args += [piece.of(self.state[name][b]) for name in names]
+            made.append(tuple(args))
+        self.piece_args[reads] = (buffers, made)
+        return made
+
+    def _piece_params(self, params: list[Tensor]) -> list[list[Tensor]]:
+        """Per piece, its params (of the packed ``params``): the lists the last piecewise
+        step made when ``params`` are the same tensors (an identity check per param instead
+        of a list per piece)."""
+        kept, lists = self.piece_params
+        if len(kept) == len(params) and all(map(operator.is_, kept, params)):
+            return lists
+        lists = [[params[j] for j in piece.members] for piece in self.pieces]
+        self.piece_params = (list(params), lists)
+        return lists
 
     def _gradients_in(self, params: list[Tensor], grads: list[Tensor]) -> tuple[bool, bool]:
         """Where this step reads the packed params' gradients (``params`` and ``grads``: the
@@ -786,7 +835,11 @@ class PackedGroup:
 
     def _fused(self, params: list[Tensor]) -> bool:
         """Whether ``p += u`` may take the fused multi-tensor route into the buffers' views
-        (checked each step: an in-place transpose keeps a param's address)."""
+        (checked each step: an in-place transpose keeps a param's address). A usual step's
+        params were checked with its gradients (:attr:`contiguous`); that answer serves once."""
+        known, self.contiguous = self.contiguous, None
+        if known is not None:
+            return known
         return self.fused_add and all(map(Tensor.is_contiguous, params))
 
     def _run(
