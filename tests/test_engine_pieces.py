@@ -296,3 +296,44 @@ def test_dreamerv3_optimizer_on_16_bit_params_steps_in_pieces_like_the_per_tenso
     assert engine.upcast and len(engine.pieces) == 2
     assert all(g.dtype == torch.float32 for g in engine.grads)
     assert all(p.grad is not v for p, v in zip(params, engine.rest_views, strict=True))
+
+
+def test_a_usual_step_after_an_in_place_transpose_adds_the_update_where_it_belongs() -> None:
+    """A square param transposed in place keeps its address, so the next step is a usual one
+    (bucket-view gradients, nothing moved): its params' contiguity, read with their addresses,
+    sends the update through the strided add, not the fused one that would add it over the
+    storage in the old order. Lockstep with the per-tensor path before and after."""
+    shapes = [(6, 6)] * 3 + [(36,)] * 3
+
+    def params_of(seed: int) -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+    params, ref_params = params_of(0), params_of(0)
+    opt = TransformOptimizer(params, fo.adam, lr=1e-2)
+    ref = TransformOptimizer(ref_params, fo.adam, lr=1e-2)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 2**40  # (every param packed, in pieces)
+    ref.fused_steps = False
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                for p in (params[1], ref_params[1]):
+                    p.t_()
+        grads = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]
+        before = [p.detach().clone() for p in ref_params]
+        for ps in (params, ref_params):
+            for p, g in zip(ps, grads, strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        usual = _engine(opt).usual_grads(params, opt.state) if step else None
+        opt.step()
+        ref.step()
+        if step >= 2:  # (the gradients are bucket views after the second step: usual steps)
+            assert usual is not None
+        assert_same_steps_then_sync(list(params), list(ref_params), before, ELEMENTWISE_OPS + 2)
+    assert _engine(opt).pieces
+    assert not params[1].is_contiguous()
