@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -610,27 +610,50 @@ COLD: list[tuple[str, int]] = [
 index of its workload in :func:`workloads`."""
 
 
-def cold_first_call(name: str, workload: int = 0) -> float | None:
-    """Seconds of ``name``'s first step on ``workloads()[workload]`` in a fresh process with an
-    empty inductor cache (what a user's first run pays for compiling), or ``None`` on failure."""
+class ColdCall(NamedTuple):
+    """A first step with an empty compiler cache, in seconds: ``whole``, in a fresh process
+    with nothing compiled; ``after_probe``, in another, after inductor's probe of the CPU's
+    vector instruction sets (``probe`` seconds), which compiles a few test programs into the
+    cache once per cache directory (every later ``torch.compile`` on that machine finds them
+    there), whatever is compiled."""
+
+    whole: float
+    probe: float
+    after_probe: float
+
+
+_COLD_STEP = (
+    "import sys, time; sys.path.insert(0, sys.argv[1]); import run as B; "
+    "w = B.workloads(False)[int(sys.argv[3])]; "
+    "step = B.METHODS[sys.argv[2]](B.make_params(w)); "
+    "probe = 0.0\n"
+    "if sys.argv[4] == '1':\n"
+    "    import torch._inductor.cpu_vec_isa as isa\n"
+    "    t = time.perf_counter(); isa.valid_vec_isa_list(); probe = time.perf_counter() - t\n"
+    "t = time.perf_counter(); step(); print(probe, time.perf_counter() - t)"
+)
+
+
+def cold_first_call(name: str, workload: int = 0) -> ColdCall | None:
+    """``name``'s first step on ``workloads()[workload]`` in fresh processes with an empty
+    inductor cache (what a user's first run pays for compiling), whole and after the CPU probe
+    (see :class:`ColdCall`), or ``None`` on failure."""
     import subprocess
     import tempfile
 
-    code = (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); import run as B; "
-        "w = B.workloads(False)[int(sys.argv[3])]; "
-        "step = B.METHODS[sys.argv[2]](B.make_params(w)); "
-        "t = time.perf_counter(); step(); print(time.perf_counter() - t)"
-    )
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
-        args = [sys.executable, "-c", code, str(Path(__file__).parent), name, str(workload)]
-        done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-    try:
-        return float(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        print(f"  cold first call of {name} failed: {done.stderr[-500:]}", file=sys.stderr)
-        return None
+    times = []
+    for probe_first in ("0", "1"):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+            args = [sys.executable, "-c", _COLD_STEP, str(Path(__file__).parent), name]
+            args += [str(workload), probe_first]
+            done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+        try:
+            times.append([float(x) for x in done.stdout.strip().splitlines()[-1].split()])
+        except (ValueError, IndexError):
+            print(f"  cold first call of {name} failed: {done.stderr[-500:]}", file=sys.stderr)
+            return None
+    return ColdCall(times[0][1], times[1][0], times[1][1])
 
 
 def scaling(rounds: int) -> str:
@@ -824,8 +847,13 @@ def main(argv: list[str] | None = None) -> int:
         sections["cold"] = (
             f"First step in a fresh process with an empty compiler cache ({today}): "
             + ", ".join(
-                f"{name} {'failed' if t is None else f'{t:.1f} s'}" for name, t in cold.items()
+                f"{name} {'failed' if t is None else f'{t.whole:.1f} s'}"
+                + ("" if t is None else f" ({t.after_probe:.1f} s after the CPU probe)")
+                for name, t in cold.items()
             )
+            + ". Of the whole first step, inductor's probe of the CPU (test programs for its "
+            + "vector instruction sets, compiled once per cache directory whatever is "
+            + f"compiled, and there for every later process) took {_span(cold)}."
         )
     if args.scaling:
         sections["scaling"] = scaling(5 if args.quick else args.rounds)
@@ -841,6 +869,12 @@ def main(argv: list[str] | None = None) -> int:
     write_table(args.out, text)
     chart(results_by, args.chart)
     return 0
+
+
+def _span(cold: dict[str, ColdCall | None]) -> str:
+    """The range of the CPU probe's times over the cold first steps measured."""
+    probes = [t.probe for t in cold.values() if t is not None]
+    return f"{min(probes):.1f}-{max(probes):.1f} s" if probes else "(none measured)"
 
 
 def distributed_table(quick: bool, clock_name: str) -> str:
