@@ -66,6 +66,10 @@ def flatten_buffered(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
 
 def leaves(tree: PyTree) -> list[Any]:
     """Leaves of ``tree`` in flattening order, ``None`` included."""
+    if torch.compiler.is_compiling():  # (a list of leaves without optree: see _leaf_list)
+        listed = _leaf_list(tree)
+        if listed is not None:
+            return listed
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
@@ -205,7 +209,9 @@ def _node_types(
 class Leaves:
     """Where the present (non-``None``) leaves of an updates tree sit.
 
-    Built by :func:`split`. ``index`` lists the flat positions of the present updates.
+    Built by :func:`split`. ``index`` lists the flat positions of the present updates;
+    ``spec`` is their structure (for a list of leaves under ``torch.compile``, made only when
+    asked for: see :func:`_leaf_list`).
     """
 
     __slots__ = (
@@ -213,19 +219,23 @@ class Leaves:
         "_kinds",
         "_present",
         "_shapes",
+        "_spec",
         "complete",
         "index",
         "kind",
         "reference",
-        "spec",
         "values",
     )
 
     def __init__(
-        self, values: list[Any], spec: optree.PyTreeSpec, reference: PyTree, kind: str = "updates"
+        self,
+        values: list[Any],
+        spec: optree.PyTreeSpec | None,
+        reference: PyTree,
+        kind: str = "updates",
     ) -> None:
         self.values = values
-        self.spec = spec
+        self._spec = spec
         self.reference = reference
         self.kind = kind  # what ``reference`` is, for error messages
         self.index = [i for i, v in enumerate(values) if v is not None]
@@ -237,12 +247,24 @@ class Leaves:
         self._shapes: list[torch.Size] | None = None  # of the present updates, once needed
         self._kinds: object = None  # ``_REAL`` or ``_OTHER``, once needed
 
+    @property
+    def spec(self) -> optree.PyTreeSpec:
+        """The updates' structure (made when first asked for, for a list of leaves under
+        ``torch.compile``: see :func:`_leaf_list`)."""
+        if self._spec is None:
+            self._spec = flatten(self.reference)[1]
+        return self._spec
+
     def flat(self, tree: PyTree, name: str) -> list[Any]:
         """All leaves of ``tree``, after checking it has the structure of the updates."""
         compiling = torch.compiler.is_compiling()  # ids would become guards of the graph
         seen = None if compiling else self._flattened.get(id(tree))
         if seen is not None:
             return seen[1]
+        if self._spec is None:  # (the updates: a list of leaves, see _leaf_list)
+            same = _leaf_list(tree)
+            if same is not None and len(same) == len(self.values):
+                return same
         values, spec = flatten(tree)
         if spec != self.spec:
             where = difference(self.reference, tree)
@@ -261,6 +283,8 @@ class Leaves:
     def flat_buffered(self, tree: PyTree, name: str) -> list[Any]:
         """Like :meth:`flat` for a record made from :func:`flatten_buffered`'s leaves: packed
         trees held in buffers stay whole (and must have the layout of the updates' there)."""
+        if self._spec is None:
+            return self.flat(tree, name)  # (updates of no packed tree: nothing else to check)
         values, spec = flatten_buffered(tree)
         if spec != self.spec:
             return self.flat(tree, name)  # (raises, naming the first difference)
@@ -410,11 +434,13 @@ class Leaves:
 
     def updates(self, present: Sequence[Tensor]) -> PyTree:
         """A tree shaped like the updates: ``present`` at their positions, ``None`` elsewhere."""
-        return unflatten(self.spec, self._place(present, [None] * len(self.values)))
+        values = self._place(present, [None] * len(self.values))
+        return values if self._spec is None else unflatten(self._spec, values)
 
     def carry(self, old: PyTree, present: Sequence[Tensor], name: str = "state") -> PyTree:
         """``old`` with its leaves at the present positions replaced by ``present``."""
-        return unflatten(self.spec, self._place(present, self.flat(old, name)))
+        values = self._place(present, self.flat(old, name))
+        return values if self._spec is None else unflatten(self._spec, values)
 
     def _place(self, present: Sequence[Any], base: list[Any]) -> list[Any]:
         """A copy of ``base`` with ``present`` at the present positions."""
@@ -426,6 +452,21 @@ class Leaves:
         for i, v in zip(self.index, present, strict=True):
             values[i] = v
         return values
+
+
+def _leaf_list(tree: PyTree) -> list[Any] | None:
+    """``tree``'s leaves when it is a ``list`` of tensors and ``None``s (its structure is then
+    its length), else ``None``. Under ``torch.compile`` a :class:`Leaves` record of such
+    updates keeps no ``optree`` structure until it meets a tree of another kind: dynamo traces
+    ``optree``'s flattening bytecode by bytecode (about 900 for a one-leaf list, 40% of what
+    it traced for ``TransformOptimizer``'s steps), and the engine's one-param steps flatten a
+    one-leaf list a few times per transform."""
+    if type(tree) is not list:
+        return None
+    for x in tree:
+        if x is not None and not isinstance(x, Tensor):
+            return None
+    return list(tree)
 
 
 def _is_buffered(x: Any) -> bool:
@@ -454,8 +495,12 @@ def split(updates: PyTree, *, elementwise: bool = False) -> tuple[list[Tensor], 
     if elementwise and _is_buffered(updates):
         record = BufferLeaves(updates)
         return list(updates.buffers), record
-    values, spec = flatten(updates)
-    where = Leaves(values, spec, updates)
+    listed = _leaf_list(updates) if torch.compiler.is_compiling() else None
+    if listed is not None:
+        where = Leaves(listed, None, updates)
+    else:
+        values, spec = flatten(updates)
+        where = Leaves(values, spec, updates)
     where.kinds()  # updates are floating point or complex: an integer one would be truncated
     return list(where.present()), where
 
