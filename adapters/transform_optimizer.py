@@ -1033,9 +1033,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         # a usual step's params are where the last step left them (checked): kept for the next
         addresses = engine.usual[0] if entries is not None and engine.usual is not None else None
         engine.usual = None  # (until this step ends well)
-        if entries is None:  # (what usual_grads found holds for the usual step only)
+        if entries is None:  # not a usual step (what usual_grads found holds for those only)
             engine.contiguous = None
-        if entries is None:
             entries = list(map(self.state.__getitem__, params))
         slots = [(slot.kind, slot.name) for slot in layout.slots]
         self._packed_update(layout, slots, params, grads, engine, group_state, entries, ratio)
