@@ -24,7 +24,13 @@ from typing import Any
 import optree
 import pytest
 import torch
-from conftest import MagnitudeRun, assert_bitwise, assert_close_rounding, dreamerv3_leaf_ops
+from conftest import (
+    ELEMENTWISE_OPS,
+    MagnitudeRun,
+    assert_bitwise,
+    assert_close_rounding,
+    dreamerv3_leaf_ops,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Leaf, structures
@@ -280,6 +286,38 @@ def test_shapes_are_checked_under_vmap_and_compile() -> None:
     loose = torch.compile(tx.update)  # (graph breaks on the error, then raises it)
     with pytest.raises(ValueError, match=r"\['w'\].*shape"):
         loose({"w": torch.ones(3, 1), "b": torch.ones(2, 2)}, state, params)
+
+
+def test_a_list_of_leaves_is_checked_under_compile_as_any_tree() -> None:
+    """Under ``torch.compile`` a list of tensors is split without ``optree``
+    (``tree._leaf_list``); the compiled update still equals the eager one within rounding, and
+    a gradient of another shape or a state of another structure is refused naming it."""
+    params = [torch.ones(3), torch.zeros(2, 2), torch.full((4,), 2.0)]
+    tx = fo.adam(0.1)
+    state = tx.init(params)
+    grads = [torch.linspace(-1, 1, 3), torch.ones(2, 2), torch.linspace(0, 3, 4)]
+    # (static shapes: this code was compiled for other trees by the test above, and dynamo
+    # would make its sizes dynamic)
+    step = torch.compile(tx.update, fullgraph=True, dynamic=False)
+    got, got_state = step(grads, state, params)
+    want, want_state = tx.update(grads, state, params)
+    assert type(got) is list
+    # (compiled and eager code round the same math differently: rule 2 of tests/README.md)
+    assert_close_rounding(got, want, dtype=torch.float32, ops=ELEMENTWISE_OPS)
+    got_leaves, want_leaves = fotree.leaves(got_state), fotree.leaves(want_state)
+    assert [x is None for x in got_leaves] == [x is None for x in want_leaves]
+    assert_close_rounding(
+        [x for x in got_leaves if x is not None],
+        [x for x in want_leaves if x is not None],
+        dtype=torch.float32,
+        ops=ELEMENTWISE_OPS,
+    )
+    loose = torch.compile(tx.update, dynamic=False)  # (graph breaks on the error, raises it)
+    with pytest.raises(ValueError, match=r"\[2\].*shape"):
+        loose([grads[0], grads[1], torch.ones(4, 1)], state, params)
+    other = tx.init({"a": params[0], "b": params[1], "c": params[2]})
+    with pytest.raises(ValueError, match="structure"):
+        loose(grads, other, params)
 
 
 # ---------------------------------------------------------------------------------- dtypes
