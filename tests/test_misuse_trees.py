@@ -296,9 +296,7 @@ def test_a_list_of_leaves_is_checked_under_compile_as_any_tree() -> None:
     tx = fo.adam(0.1)
     state = tx.init(params)
     grads = [torch.linspace(-1, 1, 3), torch.ones(2, 2), torch.linspace(0, 3, 4)]
-    # (static shapes: this code was compiled for other trees by the test above, and dynamo
-    # would make its sizes dynamic)
-    step = torch.compile(tx.update, fullgraph=True, dynamic=False)
+    step = torch.compile(tx.update, fullgraph=True)
     got, got_state = step(grads, state, params)
     want, want_state = tx.update(grads, state, params)
     assert type(got) is list
@@ -312,7 +310,7 @@ def test_a_list_of_leaves_is_checked_under_compile_as_any_tree() -> None:
         dtype=torch.float32,
         ops=ELEMENTWISE_OPS,
     )
-    loose = torch.compile(tx.update, dynamic=False)  # (graph breaks on the error, raises it)
+    loose = torch.compile(tx.update)  # (graph breaks on the error, then raises it)
     with pytest.raises(ValueError, match=r"\[2\].*shape"):
         loose([grads[0], grads[1], torch.ones(4, 1)], state, params)
     other = tx.init({"a": params[0], "b": params[1], "c": params[2]})
