@@ -46,6 +46,7 @@ __all__ = [
     "leaf_partials",
     "leaf_step",
     "labelled_call",
+    "ratio_argument",
     "needs_other_ranks",
     "reduction_sources",
     "rows_step",
@@ -72,6 +73,25 @@ def _fed_update(
         return tx.update([wide], state, [p], **extra)
     finally:
         _lists.widened(old)
+
+
+def ratio_argument(ratio: float | Tensor, param: Tensor) -> Tensor:
+    """``ratio`` as :func:`leaf_step`'s ``ratio`` argument for ``param``: a tensor on its device
+    in the dtype the step multiplies the update by it in (float32, or float64 for a float64
+    param: :func:`functional_opt._lists.once` converts it to the update's dtype anyway).
+
+    Not a 0-d float64 tensor: dynamo traces one of those as a symbolic float (its ``item()``),
+    which the compile cannot keep, and then traces and compiles the whole step a second time
+    (1.3-2 s of a first step). A float64 param's ratio is a one-element vector instead, which
+    multiplies as the 0-d tensor does (the update is float64 too)."""
+    shape: tuple[int, ...]
+    if param.dtype == torch.float64:
+        dtype, shape = torch.float64, (1,)
+    else:
+        dtype, shape = torch.float32, ()
+    if isinstance(ratio, Tensor):
+        return ratio.detach().to(device=param.device, dtype=dtype).reshape(shape)
+    return torch.full(shape, ratio, dtype=dtype, device=param.device)
 
 
 def leaf_step(

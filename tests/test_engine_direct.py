@@ -260,6 +260,43 @@ def test_the_direct_step_compiles_once_for_params_of_every_size() -> None:
     assert {key[0] for key in engine.leaf_kernels} == set(engine.direct)  # kept, called straight
 
 
+def test_a_direct_step_is_traced_once_for_each_params_dtype() -> None:
+    """The direct kernels take the lr ratio in a dtype dynamo keeps as a tensor: a 0-d float64
+    CPU tensor is traced as a symbolic float (its ``item()``) that the compile cannot keep, and
+    dynamo then traces and compiles the whole step a second time (1.3-2 s of a first step).
+    With the compiler's caches off (as in a first run), each kernel (float32, float64) goes
+    through AOT autograd once; with the lr changed between steps (a ratio other than 1) the
+    params stay within rounding of the per-tensor path's."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(40, 30), (30, 40)]
+    runs = []
+    for fused in (True, False):
+        gen = torch.Generator().manual_seed(4)
+        params = [
+            torch.nn.Parameter(torch.randn(s, generator=gen, dtype=d))
+            for s, d in zip(shapes, (torch.float32, torch.float64), strict=True)
+        ]
+        # (a ready-made adam: a changed lr is a ratio to its own)
+        opt = _direct(lambda ps: TransformOptimizer(ps, fo.adam(1e-2)), params)
+        opt.fused_steps = fused
+        counters.clear()
+        with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
+            for lr in (1e-2, 3e-3, 2e-2):
+                opt.param_groups[0]["lr"] = lr
+                grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+                step_with_grads([(params, opt)], grads)
+        if fused:
+            assert dict(counters["aot_autograd"]).get("total") == 2, dict(counters["aot_autograd"])
+            assert dict(counters["aot_autograd"]).get("ok") == 2
+        runs.append([p.detach().clone() for p in params])
+    for got, want in zip(*runs, strict=True):
+        assert_close_rounding(got, want, dtype=got.dtype, ops=3 * (ELEMENTWISE_OPS + 2))
+
+
 @pytest.mark.numerics
 def test_a_group_of_only_large_params_steps_them_all_directly() -> None:
     """Two large params and nothing else: no packed buffers at all; the state that is not per
@@ -789,6 +826,75 @@ def test_a_norm_of_the_gradients_is_one_multi_tensor_norm_of_the_same_bits(
         runs.append([p.clone() for p in tree.leaves(params)])
     assert counts == [3 * 3, 3 * 3 * 2]  # a compiled partials call per leaf only in the second
     assert_bitwise(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("name", sorted(_GIVEN_REDUCTIONS))
+def test_the_small_leaves_partials_of_a_gradient_norm_compile_no_graph(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a totals pass is a reduction of the gradients (a clip's sum of squares, a finite
+    check's count), the small leaves' partials (the pure step's staged leaves, the adapter's
+    packed params) come from the multi-tensor ops the large leaves' take, not from a compiled
+    pass over the packed trees: a first step compiles one graph less. A pass of something
+    else (a norm of the moments' output) still runs the compiled pass. Every step within
+    rounding of the eager update, pure and adapter."""
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
+    passes: list[int] = []
+    partials = fo.engine.Runner.partials
+
+    def counted(runner: Any, *args: Any) -> Any:
+        passes.append(1)
+        return partials(runner, *args)
+
+    monkeypatch.setattr(fo.engine.Runner, "partials", counted)
+    compiled_passes = {"clip-adamw": 0, "finite-clip-adam": 0, "adam-then-clip": 1}[name]
+    tx = _GIVEN_REDUCTIONS[name]()
+    # the pure step over a plain tree: "w" and "head" large, "b" staged
+    params, ref = _plain(5), _plain(5)
+    state, ref_state = tx.init(params), tx.init(ref)
+    step = fo.fused_step(tx)
+    numel = sum(p.numel() for p in tree.leaves(params))
+    for k in range(3):
+        grads = _plain(70 + k)
+        if k == 1:
+            grads["b"][1][3] = float("nan") if name.startswith("finite") else 1e3
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        params, state = step(params, grads, state)
+        assert_close_rounding(
+            tree.leaves(params),
+            tree.leaves(ref),
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
+        )
+    assert len(passes) == 3 * compiled_passes
+    # the adapter: two direct params, three packed ones
+    del passes[:]
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(40, 30), (30,), (50, 24), (40,), (7, 3)]
+    leaves = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref_leaves = [p.detach().clone() for p in leaves]
+    ref_state = tx.init(ref_leaves)
+    opt = _direct(lambda ps: TransformOptimizer(ps, _GIVEN_REDUCTIONS[name]()), leaves)
+    numel = sum(p.numel() for p in leaves)
+    for k in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if k == 1:
+            grads[3][5] = float("nan") if name.startswith("finite") else 1e3
+        updates, ref_state = tx.update([g.clone() for g in grads], ref_state, ref_leaves)
+        ref_leaves = fo.apply_updates(ref_leaves, updates)
+        step_with_grads([(leaves, opt)], grads)
+        assert_close_rounding(
+            [p.detach() for p in leaves],
+            ref_leaves,
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in ref_leaves],
+        )
+    engine = opt._layouts[0].engine  # type: ignore[union-attr]
+    assert engine.direct == [0, 2] and engine.rest == [1, 3, 4]
+    assert len(passes) == 3 * compiled_passes
 
 
 def test_adapter_takes_the_finite_check_from_the_clips_squares_when_they_are_finite(
