@@ -79,6 +79,25 @@ def _row_norms(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sqrt((y * y).sum(-1))
 
 
+def _math_scalars(values: Sequence[float], device: torch.device) -> list[Tensor]:
+    """The kernels' scalar arguments ``inv_bc2, beta1, beta2, eps`` (see :func:`_apply`), in
+    float64. For params on the CPU, one vector of the four (:func:`_unpacked` takes them apart
+    inside the kernel: the same 0-d values, the same arithmetic): dynamo traces a 0-d float64
+    CPU tensor argument as a symbolic float (its ``item()``) that the compile cannot keep, and
+    then traces and compiles the kernel a second time (1-2 s of a first step). Elsewhere, four
+    0-d CPU tensors (the device's kernels take those as scalars)."""
+    if device.type == "cpu":
+        return [torch.tensor(list(values), dtype=torch.float64)]
+    return [torch.tensor(x, dtype=torch.float64) for x in values]
+
+
+def _unpacked(scalars: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`_math_scalars`' tensors as four 0-d ones."""
+    if len(scalars) == 1:
+        return list(scalars[0].unbind())
+    return list(scalars)
+
+
 def _apply(
     g: Tensor,
     p: Tensor,
@@ -86,24 +105,32 @@ def _apply(
     mu: Tensor,
     factor: Tensor,
     step_size: Tensor,
-    inv_bc2: Tensor,
-    beta1: Tensor,
-    beta2: Tensor,
-    eps: Tensor,
+    *scalars: Tensor,
 ) -> None:
     """:func:`functional_opt._kernels.apply_kernel` with the gradient taken in the moments'
     dtype, so that the clipped gradient of a 16-bit param is never rounded back to 16 bits
-    (compiled, the widening is fused into the kernel: no copy)."""
+    (compiled, the widening is fused into the kernel: no copy); ``scalars``: ``inv_bc2, beta1,
+    beta2, eps`` as :func:`_math_scalars` gives them."""
+    inv_bc2, beta1, beta2, eps = _unpacked(scalars)
     apply_kernel(g.to(nu.dtype), p, nu, mu, factor, step_size, inv_bc2, beta1, beta2, eps)
 
 
-def _delta(g: Tensor, p: Tensor, nu: Tensor, mu: Tensor, *math: Tensor) -> None:
-    """:func:`_apply` (the same arguments after ``mu``: ``factor, step_size, inv_bc2, beta1,
-    beta2, eps``) with the update ``u = step_size mu'`` written into ``p`` (a staged copy of
-    the params, read before for their norms) instead of ``p + u``: the params then get ``u``
-    added in their own storage (:func:`functional_opt._lists.add_into`). ``p + u`` rounds as in
-    :func:`_apply`, so the values are the same; only for params in the moments' dtype."""
-    p.copy_(update_kernel_donated(g.to(nu.dtype), nu, mu, *math))
+def _delta(
+    g: Tensor,
+    p: Tensor,
+    nu: Tensor,
+    mu: Tensor,
+    factor: Tensor,
+    step_size: Tensor,
+    *scalars: Tensor,
+) -> None:
+    """:func:`_apply` (the same arguments) with the update ``u = step_size mu'`` written into
+    ``p`` (a staged copy of the params, read before for their norms) instead of ``p + u``: the
+    params then get ``u`` added in their own storage (:func:`functional_opt._lists.add_into`).
+    ``p + u`` rounds as in :func:`_apply`, so the values are the same; only for params in the
+    moments' dtype."""
+    math = _unpacked(scalars)
+    p.copy_(update_kernel_donated(g.to(nu.dtype), nu, mu, factor, step_size, *math))
 
 
 def _factor_from_squares(g_square: Tensor, p_square: Tensor, agc: Tensor, pmin: Tensor) -> Tensor:
@@ -671,7 +698,7 @@ class FlatBucket:
         add = self.add_back and not torch.compiler.is_compiling()
         kernel = _delta if add else _apply
         values = (1 / bc2, beta1, beta2, eps)
-        scalars = [torch.tensor(x, dtype=torch.float64) for x in values]
+        scalars = _math_scalars(values, self.g.device)
         if self.merged_numel:
             n = self.merged_numel
             if not gathered:
@@ -782,7 +809,7 @@ class FlatBucket:
             mu,
             spread,
             self.step_rows[:1],
-            *scalars,
+            *_unpacked(scalars),
         )
         nu.copy_(nu_new)
         mu.copy_(mu_new)

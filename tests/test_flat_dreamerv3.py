@@ -473,6 +473,28 @@ def test_changing_hyperparameters_does_not_recompile(
     assert after[0] > start[0] and after[1] > start[1]
 
 
+def test_each_kernel_is_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels take their float64 scalars (``1/bc2``, the betas, ``eps``) as one vector on
+    the CPU: dynamo traces a 0-d float64 CPU tensor argument as a symbolic float that the
+    compile cannot keep, and then traces and compiles the kernel a second time. With the
+    compiler's caches off (as in a first run), every graph goes through AOT autograd once."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(_kernels, "_COMPILED", {})
+    params = make_params(torch.float32)
+    opt = DreamerV3Optimizer(params, lr=1e-2, warmup_steps=3)
+    counters.clear()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        for t in range(2):
+            exact_data(params, t, skip=set())
+            opt.step()
+    compiles = dict(counters["aot_autograd"])
+    assert compiles.get("ok", 0) >= 2 and compiles.get("total") == compiles.get("ok"), compiles
+
+
 def test_step_under_torch_compile_matches_eager() -> None:
     # Compiling optimizer.step traces the kernels into the step's own graphs: the same math as
     # eager, other kernels (3 steps, random data: the rule's count per leaf). (Not on the second
