@@ -760,6 +760,37 @@ _GIVEN_REDUCTIONS: dict[str, Callable[[], fo.GradientTransformation]] = {
 }
 
 
+def _fused_steps_as_eager(
+    tx: fo.GradientTransformation,
+    name: str,
+    steps: int,
+    at: int,
+    where: Callable[[dict[str, Any]], tuple[Tensor, tuple[int, ...]]],
+) -> None:
+    """``steps`` steps of ``fo.fused_step(tx)`` over :func:`_plain` trees, each within rounding
+    of the eager update; on step ``at`` one gradient element (``where``: the leaf and index) is
+    a NaN for the chains with a finite check (``name`` starting ``finite``), else 1e3."""
+    params, ref = _plain(5), _plain(5)
+    state, ref_state = tx.init(params), tx.init(ref)
+    step = fo.fused_step(tx)
+    numel = sum(p.numel() for p in tree.leaves(params))
+    for k in range(steps):
+        grads = _plain(70 + k)
+        if k == at:
+            leaf, index = where(grads)
+            leaf[index] = float("nan") if name.startswith("finite") else 1e3
+        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
+        ref = fo.apply_updates(ref, updates)
+        params, state = step(params, grads, state)
+        assert_close_rounding(
+            tree.leaves(params),
+            tree.leaves(ref),
+            dtype=torch.float32,
+            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
+            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
+        )
+
+
 @pytest.mark.parametrize(
     "name",
     # (on the CPU's second code path: clip-adamw; the finite check's count is exact, and the
@@ -777,24 +808,7 @@ def test_fused_step_steps_large_leaves_directly_given_the_reductions(
     tx = _GIVEN_REDUCTIONS[name]()
     assert leafwise(tx, reductions=True) and not leafwise(tx)
     calls = _Calls(monkeypatch)
-    params, ref = _plain(5), _plain(5)
-    state, ref_state = tx.init(params), tx.init(ref)
-    step = fo.fused_step(tx)
-    numel = sum(p.numel() for p in tree.leaves(params))
-    for k in range(4):
-        grads = _plain(70 + k)
-        if k == 2:
-            grads["w"][0][1, 1] = float("nan") if name.startswith("finite") else 1e3
-        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
-        ref = fo.apply_updates(ref, updates)
-        params, state = step(params, grads, state)
-        assert_close_rounding(
-            tree.leaves(params),
-            tree.leaves(ref),
-            dtype=torch.float32,
-            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
-            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
-        )
+    _fused_steps_as_eager(tx, name, 4, 2, lambda grads: (grads["w"][0], (1, 1)))
     # per step and large leaf: its step, and each partials pass that is not a norm of the
     # gradients (those are one multi-tensor norm over the large leaves, no compiled call)
     compiled_passes = {"clip-adamw": 0, "finite-clip-adam": 0, "adam-then-clip": 1}[name]
@@ -850,24 +864,7 @@ def test_the_small_leaves_partials_of_a_gradient_norm_compile_no_graph(
     compiled_passes = {"clip-adamw": 0, "finite-clip-adam": 0, "adam-then-clip": 1}[name]
     tx = _GIVEN_REDUCTIONS[name]()
     # the pure step over a plain tree: "w" and "head" large, "b" staged
-    params, ref = _plain(5), _plain(5)
-    state, ref_state = tx.init(params), tx.init(ref)
-    step = fo.fused_step(tx)
-    numel = sum(p.numel() for p in tree.leaves(params))
-    for k in range(3):
-        grads = _plain(70 + k)
-        if k == 1:
-            grads["b"][1][3] = float("nan") if name.startswith("finite") else 1e3
-        updates, ref_state = tx.update(copy.deepcopy(grads), ref_state, ref)
-        ref = fo.apply_updates(ref, updates)
-        params, state = step(params, grads, state)
-        assert_close_rounding(
-            tree.leaves(params),
-            tree.leaves(ref),
-            dtype=torch.float32,
-            ops=(ELEMENTWISE_OPS + numel + 4) * (k + 1) + 2,
-            scale=[p.abs() + 1e-2 for p in tree.leaves(ref)],
-        )
+    _fused_steps_as_eager(tx, name, 3, 1, lambda grads: (grads["b"][1], (3,)))
     assert len(passes) == 3 * compiled_passes
     # the adapter: two direct params, three packed ones
     del passes[:]
