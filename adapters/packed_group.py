@@ -936,17 +936,17 @@ class PackedGroup:
         if not self.sharded:
             totals: list[Tensor] = []
             while True:
-                parts, exact = self._direct_parts(
+                parts, exact, taken = self._direct_parts(
                     params, grads, given, [totals] * len(self.direct), found
                 )
                 if loaded is not None:
-                    parts.append(self._packed_parts(loaded, totals, found, exact))
+                    parts.append(self._packed_parts(loaded, totals, taken))
                 if not _lists.next_total(totals, parts, exact):
                     return [totals] * (len(self.direct) + 1)
         per_part: list[list[Tensor]] = [[] for _ in range(len(self.direct) + 1)]
         self.stand_in_totals = []
         while True:
-            parts, exact = self._direct_parts(params, grads, given, per_part[:-1], found)
+            parts, exact, _ = self._direct_parts(params, grads, given, per_part[:-1], found)
             if loaded is not None:
                 updates, state, given_params, _ = loaded
                 parts.append(self.runner.partials(updates, state, given_params, {}, per_part[-1]))
@@ -972,19 +972,17 @@ class PackedGroup:
         self,
         loaded: tuple[Packed, Any, Packed, dict[str, Any]],
         totals: list[Tensor],
-        found: Stages,
-        exact: int,
+        taken: tuple[str, ...],
     ) -> tuple[Tensor, ...]:
         """The packed params' partials of one totals pass (unsharded), ``totals`` given. Where
-        the pass's ``exact`` leading partials are reductions of the gradients (a global norm's
-        sum of squares, a finite check's count: what :func:`gradient_reductions` found for the
-        direct params), summed from the same multi-tensor ops over the packed params' gradient
-        views (:func:`gradient_reductions_pass`); else the runner's compiled pass over the
-        packed trees. The first takes no graph of its own to compile (2 s of a first step) and
-        runs no slower (W1's 60 small vectors: one ``_foreach_norm``)."""
-        _, leading = self.gradient_passes.get((-1 - len(totals), found), (0, ()))
-        if leading and len(leading) >= exact and not self.rest_labels:
-            rows = gradient_reductions_pass(self.rest_views, exact, leading[:exact], None, True)
+        the direct params' part of the pass took its exact partials as reductions of the
+        gradients (``taken``, their kinds: a global norm's sum of squares, a finite check's
+        count; see :func:`large_parts`), summed from the same multi-tensor ops over the packed
+        params' gradient views (:func:`gradient_reductions_pass`); else the runner's compiled
+        pass over the packed trees. The first takes no graph of its own to compile (2 s of a
+        first step) and runs no slower (W1's 60 small vectors: one ``_foreach_norm``)."""
+        if taken and not self.rest_labels:
+            rows = gradient_reductions_pass(self.rest_views, len(taken), taken, None, True)
             if rows is not None:
                 return tuple(_lists.summed(list(column)) for column in zip(*rows, strict=True))
         updates, state, given_params, _ = loaded
@@ -1082,7 +1080,7 @@ class PackedGroup:
         given: list[Any],
         totals: list[list[Tensor]],
         found: Stages,
-    ) -> tuple[list[Any], int]:
+    ) -> tuple[list[Any], int, tuple[str, ...]]:
         """One totals pass over the direct params, each given its ``totals`` (see
         :func:`functional_opt.leaf_step.large_parts`)."""
         kinds = [kind for kind, _ in self.slots]

@@ -508,12 +508,14 @@ def large_parts(
     compiled: Callable[[], list[Any]],
     param_squares: Callable[[], list[Tensor]] | None = None,
     host_reads: bool = False,
-) -> tuple[list[Any], int]:
-    """One totals pass over the large params (both engines'): their partials, and how many of
-    each param's leading partials are exact. What the pass computes is found once (``probe()``,
-    :func:`gradient_reductions`) and kept in ``probes`` under ``key``; reductions of the
-    gradients run as :func:`gradient_reductions_pass`, anything else as ``compiled()`` (a
-    compiled call per param, its first partial exact)."""
+) -> tuple[list[Any], int, tuple[str, ...]]:
+    """One totals pass over the large params (both engines'): their partials, how many of
+    each param's leading partials are exact, and the kinds of those where they are reductions
+    of the gradients taken by :func:`gradient_reductions_pass` (``()`` otherwise: the small
+    params' part of such a pass can take the same ops). What the pass computes is found once
+    (``probe()``, :func:`gradient_reductions`) and kept in ``probes`` under ``key``;
+    reductions of the gradients run as :func:`gradient_reductions_pass`, anything else as
+    ``compiled()`` (a compiled call per param, its first partial exact)."""
     if key not in probes:
         probes[key] = probe()
     count, leading = probes[key]
@@ -523,8 +525,8 @@ def large_parts(
         else None
     )
     if parts is None:
-        return compiled(), 1
-    return parts, len(leading)
+        return compiled(), 1, ()
+    return parts, len(leading), leading
 
 
 def _partials_run(

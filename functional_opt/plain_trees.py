@@ -426,7 +426,8 @@ class PlainTreeStep:
         only what that reduction needs). Writes nothing."""
         totals: list[Tensor] = []
 
-        def large_pass() -> tuple[list[Any], int]:  # over the large leaves, ``totals`` given
+        # over the large leaves, ``totals`` given
+        def large_pass() -> tuple[list[Any], int, tuple[str, ...]]:
             kernel = self._partials_kernel(outer_spec, kinds, len(totals), found)
             assert kernel is not None  # (the state rebuilds: checked before)
             kept, code = self.known_kernels(), -1 - len(totals)
@@ -462,14 +463,14 @@ class PlainTreeStep:
                 ],
             )
 
-        def staged_part(exact: int) -> tuple[Tensor, ...]:
-            # where the pass's exact partials are reductions of the gradients (as found for the
-            # large leaves), the same multi-tensor ops over the staged leaves' gradients: no
-            # graph of the staged buffers' partials to compile (2 s of a first step)
-            _, leading = self.known_probes().get((-1 - len(totals), found), (0, ()))
-            if leading and len(leading) >= exact and labels is None:
+        def staged_part(taken: tuple[str, ...]) -> tuple[Tensor, ...]:
+            # where the large leaves took the pass's exact partials as reductions of the
+            # gradients (``taken``: their kinds), the same multi-tensor ops over the staged leaves'
+            # gradients: no graph of the staged buffers' partials to compile (2 s of a first
+            # step)
+            if taken and labels is None:
                 staged = [gs[i] for i in range(len(gs)) if i not in large_set]
-                rows = gradient_reductions_pass(staged, exact, leading[:exact])
+                rows = gradient_reductions_pass(staged, len(taken), taken)
                 if rows is not None:
                     return tuple(_lists.summed(list(c)) for c in zip(*rows, strict=True))
             assert loaded is not None
@@ -479,9 +480,9 @@ class PlainTreeStep:
 
         large_set = set(large)
         while True:
-            parts, exact = large_pass()
+            parts, exact, taken = large_pass()
             if loaded is not None:
-                parts.append(staged_part(exact))
+                parts.append(staged_part(taken))
             if not _lists.next_total(totals, parts, exact):
                 return totals
 
