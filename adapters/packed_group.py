@@ -92,6 +92,7 @@ from functional_opt.leaf_step import (
     ratio_argument,
     reduction_sources,
     rows_step,
+    treats_elements_alone,
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -329,8 +330,9 @@ class PackedGroup:
         self.contiguous: bool | None = None
         """Whether every param is contiguous, as :meth:`usual_grads` found it for the step
         it let through (``None``: not known; :meth:`_fused` reads the params)."""
-        self.piece_args: dict[bool, tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}
-        """Per piecewise step reading the params or not: the buffers it was made from, and
+        self.piece_args: dict[tuple[bool, bool], tuple[list[Tensor], list[tuple[Tensor, ...]]]] = {}
+        """Per piecewise step reading the params or not, through the direct params' step or
+        not (:meth:`_step_leaf_pieces`): the buffers it was made from, and
         per piece its views of them that the compiled step takes (see :meth:`_piece_args`)."""
         self.piece_params: tuple[list[Tensor], list[list[Tensor]]] = ([], [])
         """The packed params as the last piecewise step had them, and each piece's."""
@@ -353,6 +355,11 @@ class PackedGroup:
         while the piece is in cache, instead of each of those passes over all the packed
         params in turn; empty where the group takes the whole-buffer route."""
         self.piece_steps: dict[tuple[Stages, bool], _kernels.Kernel] = {}
+        self.elementwise: dict[Stages, bool] = {}
+        """Per stages of the transform, whether its one-param step treats every element on its
+        own (:func:`functional_opt.leaf_step.treats_elements_alone`, found on the first
+        piecewise step in those stages): then, in a group with direct params, the pieces take
+        the direct params' compiled step (:meth:`_step_pieces`), one graph less to compile."""
         self.piece_kernels: dict[Any, Callable[..., Any]] = {}
         self.reads_params: dict[Stages, bool] = {}
         """Per stages of the transform, whether its update reads the params (found on the
@@ -646,6 +653,9 @@ class PackedGroup:
             state = optree.tree_unflatten(self.spec, outer)
             updates = Packed(layout, buffers=self.grads)
             reads = self.reads_params[found] = _reads_params(self.tx, updates, state)
+        apply = not zero_updates(self.tx, found)
+        if self._leaf_pieces(found, pack, given):
+            return self._step_leaf_pieces(params, grads, outer, ratio, found, reads or apply)
         step = self._piece_step(found, reads)
         assert step is not None
         if not self.piece_updates:
@@ -661,7 +671,6 @@ class PackedGroup:
         copy, persist = self._gradients_in(params, grads)
         names = [name for kind, name in self.slots if kind == "param"]
         packed = pack.pack(given)
-        apply = not zero_updates(self.tx, found)
         fused = self._fused(params)
         pieces_args = self._piece_args(reads, names)
         pieces_params = self._piece_params(params)
@@ -683,17 +692,110 @@ class PackedGroup:
             self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         )
 
-    def _piece_args(self, reads: bool, names: list[str]) -> list[tuple[Tensor, ...]]:
+    def _leaf_pieces(self, found: Stages, pack: GivenPack, given: list[Any]) -> bool:
+        """Whether the pieces take the direct params' compiled step in the transform's stages
+        ``found`` (see :attr:`elementwise`): a group with direct params, whose transform's
+        one-param step treats each element on its own for every buffer's dtypes (checked once
+        per stages, on stand-in params of a few thousand elements)."""
+        if not self.direct:
+            return False
+        known = self.elementwise.get(found)
+        if known is None:
+            step = self._leaf_kernel(0, found, pack)
+            assert step is not None
+            names = [name for kind, name in self.slots if kind == "param"]
+            device = self.grads[0].device
+
+            def args_for(b: int) -> Callable[[int], tuple[Any, ...]]:
+                def args(n: int) -> tuple[Any, ...]:
+                    def leaf(dtype: torch.dtype, value: float) -> Tensor:
+                        return torch.full((n,), value, dtype=dtype, device=device)
+
+                    p = leaf(self.param_dtypes[b], 0.5)
+                    state = [leaf(self.state[name][b].dtype, 0.0) for name in names]
+                    given_ = [x.clone() for x in pack.pack(given)]
+                    outs = [torch.empty_like(x) for x in self.leaf_outs]
+                    scale = ratio_argument(1.0, p)
+                    return (leaf(self.grads[b].dtype, 0.25), p, scale, *state, *given_, *outs)
+
+                return args
+
+            known = self.elementwise[found] = all(
+                treats_elements_alone(step.fn, args_for(b)) for b in range(len(self.grads))
+            )
+        return known
+
+    def _step_leaf_pieces(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        outer: list[Any],
+        ratio: float | Tensor,
+        found: Stages,
+        values: bool,
+    ) -> Any:
+        """The packed params piece by piece through the direct params' compiled step
+        (:meth:`_leaf_pieces`): each piece's ``[rows, size]`` matrices stepped as one param of
+        that shape (the graph the direct params' calls use, for matrices). The params' values
+        are copied into a buffer of the layout (where the step reads or writes them:
+        ``values``), the step writes ``p + ratio u`` there, and that is copied back into the
+        params, so each packed param gets the bits a direct one would. ``params`` and
+        ``grads``: the packed params'. Returns the new state tree."""
+        views = self.rest_views
+        given, pack = self._given(outer)
+        step = self._leaf_kernel(0, found, pack)
+        assert step is not None
+        if not self.piece_values:
+            self.piece_values = [
+                torch.empty_like(b, dtype=d)
+                for b, d in zip(self.grads, self.param_dtypes, strict=True)
+            ]
+            self.piece_value_views = self._piece_views(self.piece_values)
+        copy, persist = self._gradients_in(params, grads)
+        names = [name for kind, name in self.slots if kind == "param"]
+        packed = pack.pack(given)
+        scales: dict[torch.dtype, Tensor] = {}
+        pieces_params = self._piece_params(params)
+        pieces_args = self._piece_args(True, names, leaf=True)
+        for q, piece in enumerate(self.pieces):
+            g, p, *state = pieces_args[q]
+            if copy:
+                members = piece.members
+                piece.copy_in(g, [grads[j] for j in members], [views[j] for j in members])
+            if values:
+                piece.copy_in(p, pieces_params[q], self.piece_value_views[q])
+            scale = scales.get(p.dtype)
+            if scale is None:
+                scale = scales[p.dtype] = ratio_argument(ratio, p)
+            step.kept_call(
+                self.piece_kernels,
+                (q, found, "leaf"),
+                (g, p, scale, *state, *packed, *self.leaf_outs),
+            )
+            if values:
+                torch._foreach_copy_(pieces_params[q], self.piece_value_views[q])
+        if persist:
+            self._rebind(params)
+        kinds = [kind for kind, _ in self.slots]
+        news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
+        return optree.tree_unflatten(
+            self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
+        )
+
+    def _piece_args(
+        self, reads: bool, names: list[str], leaf: bool = False
+    ) -> list[tuple[Tensor, ...]]:
         """Per piece, the ``[rows, size]`` matrices its compiled step takes: its rows of the
         gradient buffer, of the params' values (if the transform ``reads`` them), of the
         update buffer and of each per-parameter state buffer (``names``). Made once, then
         reused while those buffers are the same tensors (slicing them anew costs two tensor
         ops per matrix per piece, every step)."""
         values = self.piece_values if reads else []
-        buffers = [*self.grads, *values, *self.piece_updates]
+        updates = [] if leaf else self.piece_updates
+        buffers = [*self.grads, *values, *updates]
         for name in names:
             buffers += self.state[name]
-        kept = self.piece_args.get(reads)
+        kept = self.piece_args.get((reads, leaf))
         if (
             kept is not None
             and len(kept[0]) == len(buffers)
@@ -706,10 +808,11 @@ class PackedGroup:
             args = [piece.of(self.grads[b])]
             if reads:
                 args.append(piece.of(self.piece_values[b]))
-            args.append(piece.of(self.piece_updates[b]))
+            if not leaf:
+                args.append(piece.of(self.piece_updates[b]))
             args += [piece.of(self.state[name][b]) for name in names]
             made.append(tuple(args))
-        self.piece_args[reads] = (buffers, made)
+        self.piece_args[reads, leaf] = (buffers, made)
         return made
 
     def _piece_params(self, params: list[Tensor]) -> list[list[Tensor]]:

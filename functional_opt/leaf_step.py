@@ -24,6 +24,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_opt import _lists, tree
 from functional_opt.base import (
@@ -50,6 +51,7 @@ __all__ = [
     "needs_other_ranks",
     "reduction_sources",
     "rows_step",
+    "treats_elements_alone",
 ]
 
 GIVEN = ("group", "hyper")
@@ -557,6 +559,121 @@ def _partials_run(
         return across
 
     return run
+
+
+_ATEN = torch.ops.aten
+_ELEMENTWISE_AS_WELL = {
+    _ATEN.copy_.default,
+    _ATEN._to_copy.default,
+    _ATEN.detach.default,
+    _ATEN.alias.default,
+    _ATEN.view.default,
+    _ATEN._unsafe_view.default,
+    _ATEN.reshape.default,
+    _ATEN.expand.default,
+    _ATEN.empty_like.default,
+    _ATEN.zeros_like.default,
+    _ATEN.ones_like.default,
+    _ATEN.full_like.default,
+    _ATEN.fill_.Scalar,
+    _ATEN.fill_.Tensor,
+    _ATEN.zero_.default,
+    _ATEN.lift_fresh.default,
+    _ATEN.empty.memory_format,
+    _ATEN.zeros.default,
+    _ATEN.ones.default,
+    _ATEN.full.default,
+}
+"""Ops without torch's ``pointwise`` tag that treat every element on its own all the same
+(copies, conversions, views of the same elements, fills)."""
+
+_FOREACH_OVERLOADS = {"List": "Tensor", "ScalarList": "Scalar", "Tensor": "Tensor"}
+
+
+def _elementwise_op(func: Any) -> bool:
+    """Whether aten op ``func`` computes each element of its outputs from the same element of
+    its inputs (and 0-d or one-element operands) alone: torch's ``pointwise`` tag, the ops of
+    :data:`_ELEMENTWISE_AS_WELL`, and a multi-tensor ``_foreach_<op>`` whose ``<op>`` is one."""
+    if func in _ELEMENTWISE_AS_WELL or torch.Tag.pointwise in getattr(func, "tags", ()):
+        return True
+    name = getattr(func, "__name__", "")
+    packet_name, _, overload = name.partition(".")
+    if getattr(func, "namespace", None) != "aten" or not packet_name.startswith("_foreach_"):
+        return False
+    packet = getattr(_ATEN, packet_name[len("_foreach_") :], None)
+    if packet is None:
+        return False
+    for candidate in (_FOREACH_OVERLOADS.get(overload, overload), overload, "default"):
+        if candidate in packet.overloads():
+            base = getattr(packet, candidate)
+            return base in _ELEMENTWISE_AS_WELL or torch.Tag.pointwise in base.tags
+    return False
+
+
+class _ElementOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the ops of a call on tensors of ``n`` elements (a leaf's, of sizes no other
+    tensor of the call has): whether every op that reads or writes one is elementwise
+    (:func:`_elementwise_op`), and each op with its arguments that are not such tensors (a
+    number computed from the leaf's size shows there)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.n = n
+        self.elementwise = True
+        self.ops: list[tuple[Any, ...]] = []
+
+    def _mark(self, x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return ("leaf" if x.numel() == self.n else tuple(x.shape), x.dtype)
+        if isinstance(x, (list, tuple)):
+            return tuple(map(self._mark, x))
+        return "n" if isinstance(x, int) and x == self.n else x
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        everything: list[Any] = optree.tree_leaves((args, kwargs, out))  # type: ignore[arg-type]
+        tensors = [x for x in everything if isinstance(x, Tensor)]
+        if any(x.numel() == self.n for x in tensors) and not _elementwise_op(func):
+            self.elementwise = False
+        self.ops.append((func, self._mark(args), self._mark(sorted(kwargs.items()))))
+        return out
+
+
+_STAND_IN_SIZES = (1009, 2003)
+"""The sizes of :func:`treats_elements_alone`'s stand-in params: primes, which no other tensor of
+a step (counters, packed hyperparameters) has."""
+
+
+def treats_elements_alone(
+    step: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]]
+) -> bool:
+    """Whether ``step`` (a :func:`leaf_step` function) computes each element of the param, its
+    update and its state from the same element of its gradient, param and state alone (and the
+    values that are not per parameter): then a stretch of many params' rows stepped as one
+    leaf gives each param the update it would get alone (``TransformOptimizer``'s pieces take
+    the direct params' compiled step).
+
+    Found by running it: ``args_for(n)`` gives ``step``'s arguments for a stand-in param of
+    ``n`` elements (fresh tensors, which it may write), and ``step`` runs eagerly for two
+    sizes, each op recorded (:class:`_ElementOps`). It must read and write the param's tensors
+    with elementwise ops only (no reduction of a leaf, such as its norm: the update would see a
+    piece of rows as one leaf) and make the same ops with the same numbers for both sizes (no
+    number computed from a leaf's size). A step that raises does not qualify."""
+    runs = []
+    for n in _STAND_IN_SIZES:
+        record = _ElementOps(n)
+        try:
+            with record:
+                step(*args_for(n))
+        except Exception:  # (whatever it was: not shown elementwise)
+            return False
+        if not record.elementwise:
+            return False
+        runs.append(record.ops)
+    return runs[0] == runs[1]
 
 
 def _rebuild(outline: Any) -> Rebuild | None:

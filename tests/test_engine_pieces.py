@@ -337,3 +337,124 @@ def test_a_usual_step_after_an_in_place_transpose_adds_the_update_where_it_belon
         assert_same_steps_then_sync(list(params), list(ref_params), before, ELEMENTWISE_OPS + 2)
     assert _engine(opt).pieces
     assert not params[1].is_contiguous()
+
+
+# large matrices beside the small params: stepped directly (``direct_min_numel`` below)
+LARGE = [(30, 40), (40, 30), (20, 60)]
+
+
+@pytest.mark.parametrize(
+    ("name", "graphs"),
+    [
+        pytest.param("adam", 1, id="adam"),
+        pytest.param("adamw", 1, id="adamw"),
+        # a mini-step and an emitting step: a graph each
+        pytest.param("multi-steps", 2, id="multi-steps"),
+        # per-leaf norms: the pieces keep the rows step, a graph of its own
+        pytest.param("dreamerv3", 2, id="dreamerv3", marks=pytest.mark.numerics),
+    ],
+)
+def test_beside_direct_params_the_pieces_take_the_direct_params_step(
+    name: str, graphs: int
+) -> None:
+    """In a group with direct params, a transform whose one-param step treats each element on
+    its own steps its pieces with that same compiled step (each piece a ``[rows, size]``
+    matrix, as the direct matrices are): with the compiler's caches off (a first run), one graph
+    per stage of the transform goes through AOT autograd, not one for the direct params and
+    another for the pieces. Lockstep with the per-tensor path over 4 steps (the lr changed on
+    the third); the params keep their storage and the gradients are never written. DreamerV3
+    (each leaf's norms) is not elementwise: its pieces keep the rows step."""
+    from torch._dynamo.utils import counters
+
+    make, extra = MAKERS[name]
+    shapes = SHAPES + LARGE
+
+    def params_(seed: int) -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+    params, ref_params = params_(0), params_(0)
+    opt, ref = make(params), make(ref_params)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 1000
+    ref.fused_steps = False
+    ptrs = [p.data_ptr() for p in params]
+    counters.clear()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        for step in range(4):
+            if step == 2:
+                for o in (opt, ref):
+                    o.param_groups[0]["lr"] = 5e-3
+            gen = torch.Generator().manual_seed(20 + step)
+            grads = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+            before = [p.detach().clone() for p in ref_params]
+            step_with_grads([(params, opt), (ref_params, ref)], grads)
+            assert_bitwise([p.grad for p in params], grads)
+            ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
+            assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
+    assert dict(counters["aot_autograd"]).get("total") == graphs, dict(counters["aot_autograd"])
+    engine = _engine(opt)
+    assert len(engine.direct) == len(LARGE) and engine.pieces
+    assert set(engine.elementwise.values()) == {name != "dreamerv3"}
+    assert [p.data_ptr() for p in params] == ptrs
+
+
+def _clip_each_leaf(updates: object, params: object) -> object:
+    """Each leaf scaled to a norm of at most 1e6 (never reached here: the factor is 1 for these
+    gradients, so only the structure of the step shows the per-leaf reduction)."""
+    del params
+    g, at = tree.split(updates, elementwise=True)
+    factors = 1e6 / torch.clamp(at.norm_vector(g), min=1e6)
+    return at.updates(at.scale_leaves(g, factors))
+
+
+def _by_size(updates: object, params: object) -> object:
+    """Each leaf divided by the square root of its size (a number of the leaf's size, not of
+    its elements)."""
+    del params
+    g, at = tree.split(updates, elementwise=True)
+    return at.updates([x / x.numel() ** 0.5 for x in g])
+
+
+def _halved(updates: object, params: object) -> object:
+    del params
+    g, at = tree.split(updates, elementwise=True)
+    return at.updates([x * 0.5 for x in g])
+
+
+@pytest.mark.parametrize(
+    ("fn", "elementwise"),
+    [(_clip_each_leaf, False), (_by_size, False), (_halved, True)],
+    ids=["a-norm-per-leaf", "a-number-of-the-leaf-size", "elementwise"],
+)
+def test_only_a_step_that_treats_each_element_alone_takes_the_direct_step_for_pieces(
+    fn: Callable[[object, object], object], elementwise: bool
+) -> None:
+    """A user's transform (declared fusable and leafwise) before ``sgd``: the pieces take the
+    direct params' step only when that step treats each element on its own, found from the
+    ops it makes, not from the values it gives (the per-leaf clip changes nothing here, yet a
+    piece stepped as one leaf would be clipped by the piece's norm). Each case steps like the
+    per-tensor path."""
+    # (plain sgd: inductor 2.13 fails to compile the rows step of such a clip before a
+    # transform with moments, "KeyError: 'buf3'" in its C++ outer loop fusion, and runs it
+    # eagerly with a warning)
+    tx = fo.chain(fo.stateless(fn, elementwise=True, leafwise=True), fo.sgd(1e-2))
+    shapes = SHAPES + LARGE
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = TransformOptimizer(params, tx), TransformOptimizer(ref_params, tx)
+    opt.fused_min_numel = 0
+    opt.direct_min_numel = 1000
+    ref.fused_steps = False
+    for step in range(2):
+        grads = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+        before = [p.detach().clone() for p in ref_params]
+        step_with_grads([(params, opt), (ref_params, ref)], grads)
+        assert_same_steps_then_sync(list(params), list(ref_params), before, 4 * (step + 1) + 2)
+    engine = _engine(opt)
+    assert len(engine.direct) == len(LARGE) and engine.pieces
+    assert engine.elementwise == {(): elementwise}
