@@ -235,6 +235,10 @@ class PackedGroup:
             if self.direct and len(params) - len(self.direct) <= direct_rest_max:
                 # few small params beside the large ones: stepped directly too
                 self.direct = direct_params(tx, params, 1)
+        self.direct_kinds = [
+            (params[i].dtype, params[i].device, params[i].shape) for i in self.direct
+        ]
+        """The direct params' dtypes, devices and shapes."""
         self.totals_first = (self.reduces or self.rank_reductions) and (
             bool(self.direct) or self.sharded_direct
         )
@@ -542,10 +546,11 @@ class PackedGroup:
         spread = self.direct or self.totals_first or self.pieces
         found = stages(self.tx, optree.tree_unflatten(self.spec, outer)) if spread else ()
         if self.pieces:
-            with staged(found):
-                if self.direct:
-                    self._step_direct(params, grads, outer, ratio, [[]] * len(self.direct), found)
-                return self._step_pieces(params, grads, outer, ratio, found)
+            try:
+                with staged(found):
+                    return self._step_in_pieces(params, grads, outer, ratio, found)
+            except _NoPieces:  # (raised before anything was written)
+                self.pieces = []
         loaded = self._load(params, grads, outer) if self.layout is not None else None
         totals: list[list[Tensor]] = [[]] * (len(self.direct) + 1)
         if self.totals_first:
@@ -560,18 +565,46 @@ class PackedGroup:
         assert loaded is not None
         return self._step_packed([params[i] for i in self.rest], loaded, ratio, totals[-1])
 
+    def _step_in_pieces(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        outer: list[Any],
+        ratio: float | Tensor,
+        found: Stages,
+    ) -> Any:
+        """The piecewise step (under the caller's stages ``found``): the totals of the update's
+        reductions if it takes any, the direct params, then the pieces (:meth:`_step_pieces`).
+        Raises :class:`_NoPieces` before writing anything where the pieces cannot take this
+        step: a transform with reductions or few packed params whose one-param step does not
+        treat each element alone (only the direct params' step takes totals, and pieces
+        without it are for many packed params), or a totals pass that is not a reduction of the
+        gradients (:meth:`_pieces_parts`)."""
+        totals: list[list[Tensor]] = [[]] * (len(self.direct) + 1)
+        if self.totals_first:
+            totals = self._totals(params, grads, outer, None, found)
+        given, pack = self._given(outer)
+        leaf = self._leaf_pieces(found, pack, given, totals[-1])
+        if not leaf and (self.reduces or len(self.rest) <= APPLY_INSIDE_MAX):
+            raise _NoPieces
+        if self.direct:
+            self._step_direct(params, grads, outer, ratio, totals[:-1], found)
+        return self._step_pieces(params, grads, outer, ratio, found, leaf, totals[-1])
+
     def _pieces(self, params: Sequence[Tensor]) -> list[Piece]:
         """The pieces of the packed params (see :attr:`pieces`): each run of the layout in
         pieces of about :data:`PIECE` elements; none where the route does not apply (a sharded
-        group, leaf labels, reductions, few packed params, params sharing memory) or would
-        make many small calls."""
+        group, leaf labels, params sharing memory; without direct params: reductions or few
+        packed params) or would make many small calls. (With direct params, a transform with
+        reductions or few packed params keeps them only if its one-param step treats each
+        element alone, found on the first step: :meth:`_step_in_pieces`.)"""
         layout = self.layout
         if (
             layout is None
             or self.sharded
             or self.labels is not None
-            or not leafwise(self.tx)
-            or len(self.rest) <= APPLY_INSIDE_MAX
+            or not leafwise(self.tx, reductions=bool(self.direct))
+            or (len(self.rest) <= APPLY_INSIDE_MAX and not self.direct)
             or any(len(c) > 1 for c in _lists.overlapping([params[i] for i in self.rest]))
             or rows_step(self.tx, self.outline, [k for k, _ in self.slots], False, GivenPack([]))
             is None  # (a state it cannot rebuild)
@@ -640,8 +673,12 @@ class PackedGroup:
         outer: list[Any],
         ratio: float | Tensor,
         found: Stages,
+        leaf: bool,
+        totals: list[Tensor],
     ) -> Any:
-        """The packed params piece by piece (:attr:`pieces`); returns the new state tree."""
+        """The packed params piece by piece (:attr:`pieces`): through the direct params' step
+        given ``totals`` if ``leaf`` (:meth:`_step_leaf_pieces`), else through the rows step.
+        Returns the new state tree."""
         params = self._rest(params)
         grads = self._rest(grads)
         views = self.rest_views
@@ -654,8 +691,10 @@ class PackedGroup:
             updates = Packed(layout, buffers=self.grads)
             reads = self.reads_params[found] = _reads_params(self.tx, updates, state)
         apply = not zero_updates(self.tx, found)
-        if self._leaf_pieces(found, pack, given):
-            return self._step_leaf_pieces(params, grads, outer, ratio, found, reads or apply)
+        if leaf:
+            return self._step_leaf_pieces(
+                params, grads, outer, ratio, found, reads or apply, totals
+            )
         step = self._piece_step(found, reads)
         assert step is not None
         if not self.piece_updates:
@@ -692,16 +731,22 @@ class PackedGroup:
             self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         )
 
-    def _leaf_pieces(self, found: Stages, pack: GivenPack, given: list[Any]) -> bool:
-        """Whether the pieces take the direct params' compiled step in the transform's stages
-        ``found`` (see :attr:`elementwise`): a group with direct params, whose transform's
-        one-param step treats each element on its own for every buffer's dtypes (checked once
-        per stages, on stand-in params of a few thousand elements)."""
-        if not self.direct:
+    def _leaf_pieces(
+        self, found: Stages, pack: GivenPack, given: list[Any], totals: list[Tensor]
+    ) -> bool:
+        """Whether the pieces take the direct params' compiled step (given ``totals``) in the
+        transform's stages ``found`` (see :attr:`elementwise`): a group with direct params,
+        whose transform's one-param step treats each element on its own for every buffer's
+        dtypes (checked once per stages, on stand-in params of a few thousand elements), and
+        whose pieces' matrices the direct params' compiled graph serves: a direct param is a
+        matrix of their dtypes (its gradient too) and no piece has one row or one column (the
+        sizes a graph with dynamic sizes is specialized on). Elsewhere a graph of their own
+        would save nothing."""
+        if not self.direct or not self._pieces_fit_direct_graph():
             return False
         known = self.elementwise.get(found)
         if known is None:
-            step = self._leaf_kernel(0, found, pack)
+            step = self._leaf_kernel(len(totals), found, pack)
             assert step is not None
             names = [name for kind, name in self.slots if kind == "param"]
             device = self.grads[0].device
@@ -716,7 +761,8 @@ class PackedGroup:
                     given_ = [x.clone() for x in pack.pack(given)]
                     outs = [torch.empty_like(x) for x in self.leaf_outs]
                     scale = ratio_argument(1.0, p)
-                    return (leaf(self.grads[b].dtype, 0.25), p, scale, *state, *given_, *outs)
+                    g = leaf(self.grads[b].dtype, 0.25)
+                    return (g, p, scale, *state, *given_, *outs, *[t.clone() for t in totals])
 
                 return args
 
@@ -724,6 +770,22 @@ class PackedGroup:
                 treats_elements_alone(step.fn, args_for(b)) for b in range(len(self.grads))
             )
         return known
+
+    def _pieces_fit_direct_graph(self) -> bool:
+        """Whether each piece's ``[rows, size]`` matrices have the signature of some direct
+        param's step (:meth:`_leaf_pieces`)."""
+        grad_dtypes = {(b.dtype, b.device) for b in self.grads}
+        matrices = {
+            (dtype, device)
+            for dtype, device, shape in self.direct_kinds
+            if len(shape) == 2 and min(shape) >= 2 and (dtype, device) in grad_dtypes
+        }
+        return all(
+            piece.rows >= 2
+            and piece.size >= 2
+            and (self.param_dtypes[piece.buffer], self.grads[piece.buffer].device) in matrices
+            for piece in self.pieces
+        )
 
     def _step_leaf_pieces(
         self,
@@ -733,6 +795,7 @@ class PackedGroup:
         ratio: float | Tensor,
         found: Stages,
         values: bool,
+        totals: list[Tensor],
     ) -> Any:
         """The packed params piece by piece through the direct params' compiled step
         (:meth:`_leaf_pieces`): each piece's ``[rows, size]`` matrices stepped as one param of
@@ -743,7 +806,7 @@ class PackedGroup:
         ``grads``: the packed params'. Returns the new state tree."""
         views = self.rest_views
         given, pack = self._given(outer)
-        step = self._leaf_kernel(0, found, pack)
+        step = self._leaf_kernel(len(totals), found, pack)
         assert step is not None
         if not self.piece_values:
             self.piece_values = [
@@ -770,7 +833,7 @@ class PackedGroup:
             step.kept_call(
                 self.piece_kernels,
                 (q, found, "leaf"),
-                (g, p, scale, *state, *packed, *self.leaf_outs),
+                (g, p, scale, *state, *packed, *self.leaf_outs, *totals),
             )
             if values:
                 torch._foreach_copy_(pieces_params[q], self.piece_value_views[q])
@@ -1044,6 +1107,8 @@ class PackedGroup:
                 )
                 if loaded is not None:
                     parts.append(self._packed_parts(loaded, totals, taken))
+                elif self.pieces:
+                    parts.append(self._pieces_parts(grads, taken))
                 if not _lists.next_total(totals, parts, exact):
                     return [totals] * (len(self.direct) + 1)
         per_part: list[list[Tensor]] = [[] for _ in range(len(self.direct) + 1)]
@@ -1070,6 +1135,19 @@ class PackedGroup:
             self._over_ranks(per_part, parts, sources[:exact], loaded is not None)
             if len(sources) <= exact:
                 return per_part
+
+    def _pieces_parts(self, grads: list[Tensor], taken: tuple[str, ...]) -> tuple[Tensor, ...]:
+        """The packed params' partials of one totals pass of the piecewise step, summed from
+        the multi-tensor ops the direct params' part took (``taken``: reductions of the
+        gradients, see :meth:`_packed_parts`) over the packed params' gradients where they
+        are. Raises :class:`_NoPieces` for a pass of something else (the pieces have no
+        compiled pass for it)."""
+        rows = None
+        if taken:
+            rows = gradient_reductions_pass(self._rest(grads), len(taken), taken, None, True)
+        if rows is None:
+            raise _NoPieces
+        return tuple(_lists.summed(list(column)) for column in zip(*rows, strict=True))
 
     def _packed_parts(
         self,
@@ -1355,6 +1433,11 @@ def _add(
         _lists.add_into(params, updates, fused=fused)
     else:
         torch._foreach_add_(params, updates, alpha=ratio)
+
+
+class _NoPieces(Exception):
+    """The pieces cannot take this step (:meth:`PackedGroup._step_in_pieces`): the group takes
+    the whole-buffer route from now on."""
 
 
 class NotPackable(Exception):

@@ -565,6 +565,9 @@ def global_norm(xs: Sequence[Tensor]) -> Tensor:
     :func:`sharded_reductions` over the whole tensors (one collective); within
     :func:`across_parts` over the whole tree (see :class:`Across`)."""
     if _ACROSS is not None:
+        given = given_total(_squares_dtype(xs))
+        if given is not None:  # (the part's own sum of squares is not computed)
+            return given.sqrt()
         return across_total(squares_sum(xs), ("squares", list(xs))).sqrt()
     if not xs:
         return torch.zeros(())
@@ -600,6 +603,9 @@ def all_finite(xs: Sequence[Tensor]) -> Tensor:
     elements are counted and the counts summed across ranks with one collective per device
     mesh), so all ranks get the same flag."""
     if _ACROSS is not None:
+        given = given_total(torch.float32)
+        if given is not None:  # (the part's own count is not computed)
+            return given == 0
         count = _finite_flags(xs).logical_not().sum(dtype=torch.float32)
         return across_total(count, ("non-finite", list(xs))) == 0
     if _SHARDED is not None:  # (a collective even where this rank holds no element)
@@ -824,6 +830,18 @@ def non_finite_count(flags: Tensor) -> Tensor:
     return sum_over_shards(flags.logical_not().sum(dtype=torch.float32).reshape(1))[0]
 
 
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _squares_dtype(xs: Sequence[Tensor]) -> torch.dtype:
+    """The dtype of :func:`squares_sum` of ``xs``: float32, or float64 where one of them is
+    (or is complex128), as their norms' promotion gives it."""
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, _REAL.get(x.dtype, x.dtype))
+    return dtype
+
+
 def squares_sum(xs: Sequence[Tensor]) -> Tensor:
     """``sum_i ||x_i||^2`` over the tensors as they are here (at least float32; 0 for none)."""
     local = [n.square() for n in local_norms(xs)]
@@ -896,6 +914,20 @@ def across_parts(value: Across | None) -> Across | None:
     old = _ACROSS
     _ACROSS = value
     return old
+
+
+def given_total(dtype: torch.dtype) -> Tensor | None:
+    """Within :func:`across_parts`: the next reduction's total in ``dtype`` where it is given
+    (the reduction is then counted, and its part's partial need not be computed: an update
+    given all its totals reads each leaf with elementwise ops only), else ``None`` (the caller
+    goes on to :func:`across_total` with its partial)."""
+    active = _ACROSS
+    assert active is not None
+    k = active.count
+    if k >= len(active.given):
+        return None
+    active.count = k + 1
+    return active.given[k].to(dtype)
 
 
 def across_total(

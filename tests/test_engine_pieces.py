@@ -51,6 +51,31 @@ MAKERS: dict[str, tuple[Callable[[list[torch.Tensor]], TransformOptimizer], int]
         ),
         0,
     ),
+    # a global norm over all params (a total the pieces take from the gradients first)
+    "clip-chain": (
+        lambda ps: TransformOptimizer(
+            ps, fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.1))
+        ),
+        4,
+    ),
+    # a finite check and a global norm (two totals)
+    "apply-if-finite": (
+        lambda ps: TransformOptimizer(
+            ps,
+            fo.apply_if_finite(
+                fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.1)), 2
+            ),
+        ),
+        4,
+    ),
+    # a global norm of adam's output: not a reduction of the gradients, so the group takes
+    # the whole-buffer route (its totals from a compiled pass over the packed params)
+    "adam-then-clip": (
+        lambda ps: TransformOptimizer(
+            ps, lambda lr: fo.chain(fo.adam(lr), fo.clip_by_global_norm(0.05)), lr=1e-2
+        ),
+        4,
+    ),
 }
 
 
@@ -350,6 +375,11 @@ LARGE = [(30, 40), (40, 30), (20, 60)]
         pytest.param("adamw", 1, id="adamw"),
         # a mini-step and an emitting step: a graph each
         pytest.param("multi-steps", 2, id="multi-steps"),
+        pytest.param("clip-chain", 1, id="clip-chain"),
+        pytest.param("apply-if-finite", 1, id="apply-if-finite"),
+        # the direct params' partials pass and step, the packed params' partials pass and
+        # update
+        pytest.param("adam-then-clip", 4, id="adam-then-clip"),
         # per-leaf norms: the pieces keep the rows step, a graph of its own
         pytest.param("dreamerv3", 2, id="dreamerv3", marks=pytest.mark.numerics),
     ],
@@ -363,7 +393,10 @@ def test_beside_direct_params_the_pieces_take_the_direct_params_step(
     per stage of the transform goes through AOT autograd, not one for the direct params and
     another for the pieces. Lockstep with the per-tensor path over 4 steps (the lr changed on
     the third); the params keep their storage and the gradients are never written. DreamerV3
-    (each leaf's norms) is not elementwise: its pieces keep the rows step."""
+    (each leaf's norms) is not elementwise: its pieces keep the rows step. A transform with
+    reductions over all params (a clip, a finite check) first takes their totals from the
+    gradients, then steps the pieces given them; one whose reduction is of something else (a
+    clip after adam) steps over the whole buffers as before."""
     from torch._dynamo.utils import counters
 
     make, extra = MAKERS[name]
@@ -395,10 +428,17 @@ def test_beside_direct_params_the_pieces_take_the_direct_params_step(
             assert_bitwise([p.grad for p in params], grads)
             ops = (ELEMENTWISE_OPS + extra) * (step + 1) + 2
             assert_same_steps_then_sync(list(params), list(ref_params), before, ops)
-    assert dict(counters["aot_autograd"]).get("total") == graphs, dict(counters["aot_autograd"])
+    compiled = dict(counters["aot_autograd"])
+    assert compiled.get("ok") == graphs, compiled
+    if name != "adam-then-clip":  # (two of its graphs are traced twice: not this route's)
+        assert compiled.get("total") == graphs, compiled
     engine = _engine(opt)
-    assert len(engine.direct) == len(LARGE) and engine.pieces
-    assert set(engine.elementwise.values()) == {name != "dreamerv3"}
+    assert len(engine.direct) == len(LARGE)
+    if name == "adam-then-clip":
+        assert not engine.pieces  # (dropped on the first step)
+    else:
+        assert engine.pieces
+        assert set(engine.elementwise.values()) == {name != "dreamerv3"}
     assert [p.data_ptr() for p in params] == ptrs
 
 
