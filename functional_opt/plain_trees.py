@@ -60,6 +60,7 @@ from functional_opt.leaf_step import (
     leaf_partials,
     leaf_step,
     ratio_argument,
+    treats_elements_alone,
 )
 from functional_opt.packed import Gather, Layout, Packed, pack
 
@@ -91,6 +92,9 @@ class _Staging:
         self.grad_plan = Gather(self.layout, self.grads)
         self.params: list[Tensor] | None = None
         self.param_plan: Gather | None = None
+        self.values: list[Tensor] | None = None
+        """Buffers of the params' values for the step through the large leaves' step
+        (:meth:`PlainTreeStep._run_staged_rows`) of a transform that does not read them."""
         self.probed = False
         self.states: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         """By position among the per-parameter state entries: (buffers, leaf views)."""
@@ -201,6 +205,9 @@ class PlainTreeStep:
         params' signature (:meth:`_same_dtypes`)."""
         self.seen: dict[int, tuple[Any, list[Any]]] = {}
         """The state's per-parameter subtrees found last step, by id: (node, leaves)."""
+        self.elementwise: dict[Any, bool] = {}
+        """Whether the large leaves' step treats each element on its own, by state outline,
+        totals, stages and mode (see :meth:`_run_staged_rows`)."""
 
     def __call__(
         self, params: Any, grads: Any, state: OptState, *, into_held: bool = False
@@ -357,6 +364,7 @@ class PlainTreeStep:
                     ps, gs, per, given, large, outer_spec, kinds, loaded, found, labels, part
                 )
         new_outer = list(outer)
+        outs: list[Tensor] = []
         if large:
             outs = [torch.empty_like(x) for x in given]
             ones: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -385,17 +393,29 @@ class PlainTreeStep:
             news = iter(outs)
             new_outer = [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
         if prepared is not None and loaded is not None:
-            with pinned(part):
-                staged_outer = self._run_staged(
-                    prepared,
-                    loaded,
-                    ps,
-                    facts,
-                    outer_spec,
-                    kinds,
-                    totals,
-                    None if dests is None else [dests[i] for i in staged],
-                )
+            staged_dests = None if dests is None else [dests[i] for i in staged]
+            by_rows = None
+            if large and labels is None:
+                with staged_as(found):
+                    by_rows = self._run_staged_rows(
+                        prepared,
+                        ps,
+                        facts,
+                        outer_spec,
+                        kinds,
+                        given,
+                        outs,
+                        totals,
+                        found,
+                        staged_dests,
+                    )
+            if by_rows is not None:
+                staged_outer = by_rows
+            else:
+                with pinned(part):
+                    staged_outer = self._run_staged(
+                        prepared, loaded, ps, facts, outer_spec, kinds, totals, staged_dests
+                    )
             positions = iter(range(len(per)))
             for n, (x, k) in enumerate(zip(staged_outer, kinds, strict=True)):
                 if k == "param":  # the staged leaves' entries: views of the state's buffers
@@ -707,6 +727,138 @@ class PlainTreeStep:
                 torch._foreach_copy_(state_views, tree.leaves(values))
             new_entries[n] = state_views
         return cast(list[Any], new_entries)
+
+    def _run_staged_rows(
+        self,
+        prepared: tuple[_Staging, list[tuple[list[Tensor], bool]]],
+        ps: list[Tensor],
+        facts: _Facts,
+        outer_spec: Any,
+        kinds: list[str],
+        given: list[Tensor],
+        outs: list[Tensor],
+        totals: list[Tensor] | None,
+        found: Stages,
+        into: list[Tensor] | None,
+    ) -> list[Any] | None:
+        """The staged leaves through the large leaves' compiled step (under the caller's
+        stages ``found``), where it serves them: a transform whose one-leaf step treats each
+        element on its own (:func:`functional_opt.leaf_step.treats_elements_alone`), and runs
+        of the staging buffers that are matrices of a large leaf's kind (:meth:`_rows_fit`).
+        Each run ``[count, size]`` is then stepped as one leaf of that shape: one graph for the
+        whole step, not a second one for the staged leaves. The params' values are copied into
+        a staging buffer (where the step reads them or writes ``p + u`` there), then copied
+        back; for :meth:`update` the step writes ``u`` into the staged gradients, copied into
+        ``into``. Returns the new state's entries as :meth:`_run_staged` does (the others
+        unchanged: the large leaves' steps give them), or ``None`` (nothing written) where it
+        does not serve them."""
+        staging, states = prepared
+        layout = staging.layout
+        mode = None if into is None else "grad"
+        count = len(totals or ())
+        kernel = self._kernel(outer_spec, kinds, count, found, mode)
+        if kernel is None or not self._rows_fit(staging, facts):
+            return None
+        key = (outer_spec, tuple(kinds), count, found, mode)
+        elementwise = self.elementwise.get(key)
+        if elementwise is None:
+            elementwise = self.elementwise[key] = all(
+                treats_elements_alone(
+                    kernel.fn, self._stand_in(staging, states, b, given, outs, totals)
+                )
+                for b in range(len(staging.grads))
+            )
+        if not elementwise:
+            return None
+        staged = facts.staged
+        staged_ps = ps if len(staged) == len(ps) else [ps[i] for i in staged]
+        apply = into is None and not zero_updates(self.tx, found)
+        if staging.params is not None:  # (read by the transform: copied in by _load)
+            values = staging.params
+        else:
+            if staging.values is None:
+                staging.values = [torch.empty_like(b) for b in staging.grads]
+            values = staging.values
+            if apply:
+                Gather(layout, values)(staged_ps)
+        ones: dict[torch.dtype, Tensor] = {}
+        kept = self.known_kernels()
+        for b in range(len(staging.grads)):
+            state_buffers = [buffers[b] for buffers, _ in states]
+            for start, rows, size in layout.runs(b):
+                end = start + rows * size
+                p = values[b][start:end].view(rows, size)
+                one = ones.get(p.dtype)
+                if one is None:
+                    one = ones[p.dtype] = ratio_argument(1.0, p)
+                args = (
+                    staging.grads[b][start:end].view(rows, size),
+                    p,
+                    one,
+                    *[x[start:end].view(rows, size) for x in state_buffers],
+                    *given,
+                    *outs,
+                    *(totals or ()),
+                )
+                kernel.kept_call(kept, ("rows", b, start, count, mode, found), args)
+        if into is not None:
+            torch._foreach_copy_(into, staging.grad_views)
+        elif apply:
+            torch._foreach_copy_(staged_ps, cast(list[Tensor], layout.views(values)))
+        new_entries: list[Any] = []
+        positions = iter(range(len(states)))
+        for k in kinds:
+            new_entries.append(staging.states[next(positions)][1] if k == "param" else None)
+        return new_entries
+
+    def _stand_in(
+        self,
+        staging: _Staging,
+        states: list[tuple[list[Tensor], bool]],
+        b: int,
+        given: list[Tensor],
+        outs: list[Tensor],
+        totals: list[Tensor] | None,
+    ) -> Any:
+        """``args(n)``: the large leaves' step's arguments for a stand-in leaf of ``n``
+        elements of buffer ``b``'s dtypes (fresh tensors; see :meth:`_run_staged_rows`)."""
+        device = staging.grads[b].device
+        dtype = staging.grads[b].dtype
+        state_dtypes = [buffers[b].dtype for buffers, _ in states]
+
+        def args(n: int) -> tuple[Any, ...]:
+            def leaf(dtype: torch.dtype, value: float) -> Tensor:
+                return torch.full((n,), value, dtype=dtype, device=device)
+
+            p = leaf(dtype, 0.5)
+            return (
+                leaf(dtype, 0.25),
+                p,
+                ratio_argument(1.0, p),
+                *[leaf(d, 0.0) for d in state_dtypes],
+                *[x.clone() for x in given],
+                *[torch.empty_like(x) for x in outs],
+                *[t.clone() for t in totals or ()],
+            )
+
+        return args
+
+    def _rows_fit(self, staging: _Staging, facts: _Facts) -> bool:
+        """Whether the large leaves' compiled step serves the staging buffers' runs as
+        matrices: each run of at least two rows and columns, in a buffer of the dtype and
+        device of a large leaf that is a matrix of at least two rows and columns (the sizes a
+        graph with dynamic sizes is specialized on)."""
+        matrices = {
+            (facts.dtypes[i], facts.devices[i])
+            for i in facts.large
+            if len(facts.shapes[i]) == 2 and min(facts.shapes[i]) >= 2
+        }
+        layout = staging.layout
+        return all(
+            (g.dtype, g.device) in matrices
+            and all(rows >= 2 and size >= 2 for _, rows, size in layout.runs(b))
+            for b, g in enumerate(staging.grads)
+        )
 
     def _merged(
         self,

@@ -189,3 +189,72 @@ def test_rows_of_one_buffer_take_the_update_in_place() -> None:
     got, _ = tx.update(grads, tx.init(params), params, donate=True)
     assert all(u is g for u, g in zip(got, grads, strict=True))
     close(got, want, dtype=torch.float32, ops=ELEMENTWISE_OPS)
+
+
+def _rows_tree(seed: int) -> dict[str, Any]:
+    """Large matrices and small vectors of two sizes, several of each: the staged vectors lie
+    in runs of rows of the staging buffers."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": [torch.randn(s, generator=gen) for s in [(40, 30), (30, 40), (50, 24)]],
+        "b": [torch.randn(s, generator=gen) for s in [(30,)] * 4 + [(8,)] * 3],
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "graphs"),
+    [
+        pytest.param("adam", 1, id="adam"),
+        pytest.param("clip-adamw", 1, id="clip-adamw"),
+        pytest.param("apply-if-finite", 1, id="apply-if-finite"),
+        # per-leaf norms: the staged leaves keep the engine's step over the packed buffers
+        pytest.param("dreamerv3", 2, id="dreamerv3", marks=pytest.mark.numerics),
+    ],
+)
+@pytest.mark.parametrize("call", ["fused_step", "update"])
+def test_staged_rows_take_the_large_leaves_step(
+    name: str, graphs: int, call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a plain tree with large leaves, a transform whose one-leaf step treats each
+    element on its own steps the staged leaves' runs of rows through the large leaves' compiled
+    step (``PlainTreeStep._run_staged_rows``): with the compiler's caches off, one graph goes
+    through AOT autograd, not a second one for the staged leaves (DreamerV3, with per-leaf
+    norms, keeps its second). ``fused_step`` and the donated ``update`` stay within rounding of
+    ``tx.update`` run op by op over three steps; the params keep their storage."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(fo.plain_trees, "LEAF_MIN", 1000)
+    routes = _Routes(monkeypatch)
+    ref_tx, tx = CHAINS[name](), CHAINS[name]()
+    params, ref = _rows_tree(0), _rows_tree(0)
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    ptrs = [p.data_ptr() for p in tree.leaves(params)]
+    step, fused = fo.fused_step(tx), fo.fused(tx)
+    counters.clear()
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        for k in range(3):
+            grads = _rows_tree(10 + k)
+            ref_u, ref_state = ref_tx.update(copy.deepcopy(grads), ref_state, ref)
+            ref = fo.apply_updates(ref, ref_u)
+            if call == "fused_step":
+                params, state = step(params, grads, state)
+            else:
+                u, state = fused.update(grads, state, params, donate=True)
+                params = fo.apply_updates(params, u, donate=True)
+            extra = DREAMERV3_ELEMENTWISE_OPS + 40 * 30 + 2 if name == "dreamerv3" else 4
+            scale = [p.abs() + 1e-2 for p in tree.leaves(ref)]
+            close(
+                tree.leaves(params),
+                tree.leaves(ref),
+                dtype=torch.float32,
+                ops=(ELEMENTWISE_OPS + extra) * (k + 1) + 2,
+                scale=scale,
+            )
+    compiled = dict(counters["aot_autograd"])
+    assert compiled.get("total") == compiled.get("ok") == graphs, compiled
+    assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
+    if call == "update":
+        assert routes.taken and all(routes.taken)
