@@ -39,6 +39,17 @@ transform reads them) copied in, one call of :func:`functional_opt.leaf_step.row
 one-param update vmapped over the piece's rows, one graph for every piece) and its update
 added into its params while the piece is in cache.
 
+Beside direct params, the pieces take the direct params' own compiled step where it serves
+them (:meth:`PackedGroup._step_leaf_pieces`): the transform's one-param step treats each
+element on its own (:func:`functional_opt.leaf_step.treats_elements_alone`) and each piece's
+``[rows, size]`` matrices have a direct matrix's signature. Each piece is then stepped as one
+param of that shape (its params' values copied into a buffer, ``p + ratio u`` written there and
+copied back), so the group compiles one graph, not two. That route also takes a transform with
+reductions over all params (a leading clip, a finite check: their totals come first, the
+pieces' part from their gradients) and a group of few packed params; where it cannot (a
+reduction of something other than the gradients, a step with per-leaf norms), the group keeps
+the routes above.
+
 A group of ``DTensor`` params (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(), Shard(0))``; see
 :func:`functional_opt._lists.local_shards`) with ``DTensor`` gradients of the same placements
 steps the same way over the params' *local shards*: the buffers hold this rank's elements, the

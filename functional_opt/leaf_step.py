@@ -11,6 +11,11 @@ compiles it with dynamic sizes: one graph per rank and dtype, called without dyn
 work after the first call. Nothing is copied into or out of a buffer: the step moves what
 torch's fused Adam moves, plus one call's dispatch (about 10-30 us) per leaf.
 
+A step that treats each element on its own (no per-leaf norm, no number of the leaf's size:
+:func:`treats_elements_alone`) also steps a ``[rows, size]`` matrix of many small params' rows
+as one param, with the same graph: the engines then compile one graph for the large params and
+the small ones alike.
+
 Users: ``TransformOptimizer``'s engine for its large params
 (``functional_opt.adapters.packed_group``) and :func:`functional_opt.fused_step` on plain
 trees.

@@ -17,7 +17,11 @@ compile for thousands of leaves) and the eager update runs a handful of ops per 
   buffers of its own on the first step, and the returned state holds views of them: the next
   step that gets those same views back runs on the buffers without copying them (a state
   built elsewhere is copied in again). The staging buffers of the last layout are kept by the
-  step: memory of one more copy of the staged params and gradients.
+  step: memory of one more copy of the staged params and gradients. Beside large leaves, a
+  transform whose one-leaf step treats each element on its own
+  (:func:`functional_opt.leaf_step.treats_elements_alone`) steps each run of the staging
+  buffers (a ``[count, size]`` matrix of a large leaf's signature) with the large leaves'
+  compiled step instead (:meth:`PlainTreeStep._run_staged_rows`): one graph in all.
 
 :class:`PlainTreeStep` returns ``None`` where neither applies and the caller runs the
 transform's own update: trees that are not plain or do not match, leaves that are not
