@@ -711,12 +711,8 @@ class PackedGroup:
         if not self.piece_updates:
             self.piece_updates = [torch.empty_like(b) for b in self.grads]
             self.piece_update_views = self._piece_views(self.piece_updates)
-        if reads and not self.piece_values:
-            self.piece_values = [
-                torch.empty_like(b, dtype=d)
-                for b, d in zip(self.grads, self.param_dtypes, strict=True)
-            ]
-            self.piece_value_views = self._piece_views(self.piece_values)
+        if reads:
+            self._make_piece_values()
         # the gradients: read where they are (the buffer's views), or copied in piece by piece
         copy, persist = self._gradients_in(params, grads)
         names = [name for kind, name in self.slots if kind == "param"]
@@ -734,13 +730,7 @@ class PackedGroup:
             step.kept_call(self.piece_kernels, (q, found), (*args, *packed, *self.leaf_outs))
             if apply:
                 _add(pieces_params[q], self.piece_update_views[q], ratio, fused)
-        if persist:
-            self._rebind(params)
-        kinds = [kind for kind, _ in self.slots]
-        news = iter(pack.unpack([x.clone() for x in self.leaf_outs]))
-        return optree.tree_unflatten(
-            self.spec, [next(news) if k in GIVEN else x for x, k in zip(outer, kinds, strict=True)]
-        )
+        return self._after_pieces(params, outer, pack, persist)
 
     def _leaf_pieces(
         self, found: Stages, pack: GivenPack, given: list[Any], totals: list[Tensor]
@@ -819,12 +809,7 @@ class PackedGroup:
         given, pack = self._given(outer)
         step = self._leaf_kernel(len(totals), found, pack)
         assert step is not None
-        if not self.piece_values:
-            self.piece_values = [
-                torch.empty_like(b, dtype=d)
-                for b, d in zip(self.grads, self.param_dtypes, strict=True)
-            ]
-            self.piece_value_views = self._piece_views(self.piece_values)
+        self._make_piece_values()
         copy, persist = self._gradients_in(params, grads)
         names = [name for kind, name in self.slots if kind == "param"]
         packed = pack.pack(given)
@@ -848,6 +833,23 @@ class PackedGroup:
             )
             if values:
                 torch._foreach_copy_(pieces_params[q], self.piece_value_views[q])
+        return self._after_pieces(params, outer, pack, persist)
+
+    def _make_piece_values(self) -> None:
+        """The buffers of the pieces' params' values (:attr:`piece_values`), made once."""
+        if not self.piece_values:
+            self.piece_values = [
+                torch.empty_like(b, dtype=d)
+                for b, d in zip(self.grads, self.param_dtypes, strict=True)
+            ]
+            self.piece_value_views = self._piece_views(self.piece_values)
+
+    def _after_pieces(
+        self, params: list[Tensor], outer: list[Any], pack: GivenPack, persist: bool
+    ) -> Any:
+        """The end of a piecewise step: the packed params' gradients rebound to their views
+        where they persist (``params``: the packed ones), and the new state tree, the values
+        that are not per parameter from the steps' outputs."""
         if persist:
             self._rebind(params)
         kinds = [kind for kind, _ in self.slots]

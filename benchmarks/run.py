@@ -605,6 +605,7 @@ COLD: list[tuple[str, int]] = [
     ("ours: pure fused_step adam, plain trees", 1),
     ("ours: pure fused_step chain(clip_by_global_norm, adamw), plain trees", 0),
     ("ours: TransformOptimizer(chain(clip_by_global_norm, adamw))", 0),
+    ("ours: TransformOptimizer(apply_if_finite(chain(clip_by_global_norm, adamw)))", 0),
 ]
 """The methods whose first step is timed with a cold compiler cache (``--cold``), each with the
 index of its workload in :func:`workloads`."""

@@ -455,6 +455,19 @@ def _plain(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     }
 
 
+def close_after_steps(params: Any, ref: Any, extra: int, steps: int) -> None:
+    """``params`` within rounding of ``ref`` after ``steps`` steps of an update of ``extra``
+    roundings per element beyond ``ELEMENTWISE_OPS`` (scaled by ``|ref| + 1e-2``)."""
+    scale = [p.abs() + 1e-2 for p in tree.leaves(ref)]
+    assert_close_rounding(
+        tree.leaves(params),
+        tree.leaves(ref),
+        dtype=torch.float32,
+        ops=(ELEMENTWISE_OPS + extra) * steps + 2,
+        scale=scale,
+    )
+
+
 class _Calls:
     """Counts the compiled per-leaf calls (each goes through ``Kernel.kept_call``)."""
 
@@ -498,14 +511,7 @@ def test_fused_step_over_a_plain_tree_steps_its_large_leaves_in_place(
         ref = fo.apply_updates(ref, updates)
         params, state = step(params, grads, state)
         extra = DREAMERV3_ELEMENTWISE_OPS + 40 * 30 + 2 if name == "dreamerv3" else 0
-        scale = [p.abs() + 1e-2 for p in tree.leaves(ref)]
-        assert_close_rounding(
-            tree.leaves(params),
-            tree.leaves(ref),
-            dtype=torch.float32,
-            ops=(ELEMENTWISE_OPS + extra) * (k + 1) + 2,
-            scale=scale,
-        )
+        close_after_steps(params, ref, extra, k + 1)
         if k == 0:
             state_ptrs = [x.data_ptr() for x in tree.leaves(state) if x.ndim]
     assert calls.count == 3 * 3  # the three large leaves, each step

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import DREAMERV3_ELEMENTWISE_OPS, ELEMENTWISE_OPS, assert_bitwise
 from conftest import assert_close_rounding as close
-from test_engine_direct import _plain
+from test_engine_direct import _plain, close_after_steps
 from torch import Tensor
 
 import functional_opt as fo
@@ -245,14 +245,7 @@ def test_staged_rows_take_the_large_leaves_step(
                 u, state = fused.update(grads, state, params, donate=True)
                 params = fo.apply_updates(params, u, donate=True)
             extra = DREAMERV3_ELEMENTWISE_OPS + 40 * 30 + 2 if name == "dreamerv3" else 4
-            scale = [p.abs() + 1e-2 for p in tree.leaves(ref)]
-            close(
-                tree.leaves(params),
-                tree.leaves(ref),
-                dtype=torch.float32,
-                ops=(ELEMENTWISE_OPS + extra) * (k + 1) + 2,
-                scale=scale,
-            )
+            close_after_steps(params, ref, extra, k + 1)
     compiled = dict(counters["aot_autograd"])
     assert compiled.get("total") == compiled.get("ok") == graphs, compiled
     assert [p.data_ptr() for p in tree.leaves(params)] == ptrs
