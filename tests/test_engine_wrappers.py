@@ -415,3 +415,65 @@ def test_fused_step_of_a_leaf_by_leaf_transform_runs_its_own_update() -> None:
         u, state = tx.update(grads, state, params)
         params = fo.apply_updates(params, u)
         assert_bitwise(packed.tree, params)
+
+
+class _Pair(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that is not a named tuple: left to the general path."""
+
+
+def _state_like(gen: torch.Generator) -> Any:
+    """A state of the containers states are made of, with leaves of every kind."""
+    return (
+        fo.transforms.finite.ApplyIfFiniteState(
+            torch.zeros((), dtype=torch.int32),
+            torch.ones((), dtype=torch.bool),
+            torch.zeros((), dtype=torch.int32),
+            (None, [torch.randn(3, generator=gen), torch.randn(2, 2, generator=gen)]),
+        ),
+        {"b": torch.randn(4, generator=gen), "a": 3, "c": fo.pack([torch.randn(5, generator=gen)])},
+        (),
+    )
+
+
+@pytest.mark.parametrize("take", [True, False])
+def test_select_tree_walks_plain_containers_as_the_general_path_does(
+    take: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``select_tree`` over tuples, named tuples, lists and dicts walks them in plain Python
+    (no ``optree`` flatten, which dynamo traces as Python stand-ins: ``apply_if_finite``'s
+    state doubled what was traced of a step) and gives what the general path gives, bit for
+    bit, dict order and non-tensor leaves included, donated (``into``) or not; other trees
+    (a tuple subclass, structures that differ) still take the general path."""
+    from functional_opt.transforms import finite
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = _state_like(gen), _state_like(gen)
+    cond = torch.tensor(take)
+    flatten = fo.tree.flatten_buffered
+    calls: list[int] = []
+
+    def counted(x: Any) -> Any:
+        calls.append(1)
+        return flatten(x)
+
+    monkeypatch.setattr(fo.tree, "flatten_buffered", counted)
+    for into in (False, True):
+        got = finite.select_tree(cond, a, copy.deepcopy(b), into=into)
+        assert not calls
+        with monkeypatch.context() as patch:
+            patch.setattr(finite, "_select_containers", lambda *args: finite._OTHER)
+            want = finite.select_tree(cond, a, copy.deepcopy(b), into=into)
+        assert calls
+        calls.clear()
+        assert fo.tree.difference(got, want) is None
+        assert list(got[1]) == ["b", "a", "c"]
+        assert_bitwise(
+            [x for x in fo.tree.leaves(got) if isinstance(x, torch.Tensor)],
+            [x for x in fo.tree.leaves(want) if isinstance(x, torch.Tensor)],
+        )
+        assert got[1]["a"] == 3
+    finite.select_tree(cond, _Pair((torch.ones(2),)), _Pair((torch.zeros(2),)))
+    assert calls  # (the general path)
+    calls.clear()
+    with pytest.raises((ValueError, TypeError)):
+        finite.select_tree(cond, ([torch.ones(2)],), ((torch.ones(2),),))

@@ -60,6 +60,9 @@ def select_tree(cond: Tensor, on_true: Any, on_false: Any, *, into: bool = False
     dtype that autograd does not track), so a compiled step updates the state in place instead
     of returning fresh buffers (whose first touch costs page faults on every step). The values
     are the same either way."""
+    plain = _select_containers(cond, on_true, on_false, into)
+    if plain is not _OTHER:
+        return plain
     a, spec = tree.flatten_buffered(on_true)
     b, spec_b = tree.flatten_buffered(on_false)
     if spec_b != spec or not all(map(_same_kind, a, b)):
@@ -69,6 +72,43 @@ def select_tree(cond: Tensor, on_true: Any, on_false: Any, *, into: bool = False
         b = tree.Leaves(a, spec, on_true).flat(on_false, "state")
     out = [_select(cond, x, y, into) for x, y in zip(a, b, strict=True)]
     return tree.unflatten(spec, out)
+
+
+_OTHER = object()
+"""What :func:`_select_containers` gives for trees it leaves to the general path."""
+
+
+def _select_containers(cond: Tensor, x: Any, y: Any, into: bool) -> Any:
+    """:func:`select_tree` of two trees made of the containers states are made of (tuples,
+    named tuples, lists, dicts with the same keys) with the same structure, walked in plain
+    Python: under ``torch.compile`` each ``optree`` flatten is traced as Python stand-ins
+    (``apply_if_finite``'s state doubled what dynamo traced of a step, 25,000 bytecodes against
+    11,000). :data:`_OTHER` for anything else (other node types, loose packed trees, structures
+    that differ), which the general path handles."""
+    nodes = isinstance(x, (list, tuple, dict, Packed)), isinstance(y, (list, tuple, dict, Packed))
+    if not any(nodes):  # two leaves (tensors, None, numbers)
+        return _select(cond, x, y, into)
+    if not all(nodes):
+        return _OTHER
+    if isinstance(x, Packed) or isinstance(y, Packed):
+        if _same_kind(x, y) and tree._is_buffered(x) and tree._is_buffered(y):
+            return _select(cond, x, y, into)
+        return _OTHER
+    kind = type(x)
+    if type(y) is not kind:
+        return _OTHER
+    if kind is dict:
+        if x.keys() != y.keys():
+            return _OTHER
+        picked = {k: _select_containers(cond, x[k], y[k], into) for k in x}
+        return _OTHER if any(v is _OTHER for v in picked.values()) else picked
+    fields = kind is tuple or kind is list or (issubclass(kind, tuple) and hasattr(kind, "_fields"))
+    if not fields or len(x) != len(y):
+        return _OTHER
+    items = [_select_containers(cond, a, b, into) for a, b in zip(x, y, strict=True)]
+    if any(v is _OTHER for v in items):
+        return _OTHER
+    return kind(*items) if kind is not tuple and kind is not list else kind(items)
 
 
 def _same_kind(x: Any, y: Any) -> bool:
