@@ -97,8 +97,10 @@ class _Staging:
         self.params: list[Tensor] | None = None
         self.param_plan: Gather | None = None
         self.values: list[Tensor] | None = None
+        self.value_plan: Gather | None = None
         """Buffers of the params' values for the step through the large leaves' step
-        (:meth:`PlainTreeStep._run_staged_rows`) of a transform that does not read them."""
+        (:meth:`PlainTreeStep._run_staged_rows`) of a transform that does not read them, and
+        what copies the params into them."""
         self.probed = False
         self.states: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         """By position among the per-parameter state entries: (buffers, leaf views)."""
@@ -782,9 +784,11 @@ class PlainTreeStep:
         else:
             if staging.values is None:
                 staging.values = [torch.empty_like(b) for b in staging.grads]
+                staging.value_plan = Gather(layout, staging.values)
+            assert staging.value_plan is not None
             values = staging.values
             if apply:
-                Gather(layout, values)(staged_ps)
+                staging.value_plan(staged_ps)
         ones: dict[torch.dtype, Tensor] = {}
         kept = self.known_kernels()
         for b in range(len(staging.grads)):
