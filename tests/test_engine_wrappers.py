@@ -461,7 +461,7 @@ def test_select_tree_walks_plain_containers_as_the_general_path_does(
         got = finite.select_tree(cond, a, copy.deepcopy(b), into=into)
         assert not calls
         with monkeypatch.context() as patch:
-            patch.setattr(finite, "_select_containers", lambda *args: finite._OTHER)
+            patch.setattr(finite, "_plain_pairs", lambda *args: False)
             want = finite.select_tree(cond, a, copy.deepcopy(b), into=into)
         assert calls
         calls.clear()
@@ -477,3 +477,9 @@ def test_select_tree_walks_plain_containers_as_the_general_path_does(
     calls.clear()
     with pytest.raises((ValueError, TypeError)):
         finite.select_tree(cond, ([torch.ones(2)],), ((torch.ones(2),),))
+    # structures that differ after a leaf that pairs up: nothing written into the donated tree
+    # before the error
+    donated = (torch.zeros(2), (torch.zeros(2),))
+    with pytest.raises((ValueError, TypeError)):
+        finite.select_tree(torch.tensor(True), (torch.ones(2), [torch.ones(2)]), donated, into=True)
+    assert_bitwise(list(donated[:1]), [torch.zeros(2)])

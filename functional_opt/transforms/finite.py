@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -60,9 +61,10 @@ def select_tree(cond: Tensor, on_true: Any, on_false: Any, *, into: bool = False
     dtype that autograd does not track), so a compiled step updates the state in place instead
     of returning fresh buffers (whose first touch costs page faults on every step). The values
     are the same either way."""
-    plain = _select_containers(cond, on_true, on_false, into)
-    if plain is not _OTHER:
-        return plain
+    pairs: list[tuple[Any, Any]] = []
+    if _plain_pairs(on_true, on_false, pairs):  # (nothing written before the structure is known)
+        chosen = iter([_select(cond, x, y, into) for x, y in pairs])
+        return _rebuilt(on_true, chosen)
     a, spec = tree.flatten_buffered(on_true)
     b, spec_b = tree.flatten_buffered(on_false)
     if spec_b != spec or not all(map(_same_kind, a, b)):
@@ -74,41 +76,50 @@ def select_tree(cond: Tensor, on_true: Any, on_false: Any, *, into: bool = False
     return tree.unflatten(spec, out)
 
 
-_OTHER = object()
-"""What :func:`_select_containers` gives for trees it leaves to the general path."""
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (list, tuple, dict, Packed))
 
 
-def _select_containers(cond: Tensor, x: Any, y: Any, into: bool) -> Any:
-    """:func:`select_tree` of two trees made of the containers states are made of (tuples,
-    named tuples, lists, dicts with the same keys) with the same structure, walked in plain
-    Python: under ``torch.compile`` each ``optree`` flatten is traced as Python stand-ins
-    (``apply_if_finite``'s state doubled what dynamo traced of a step, 25,000 bytecodes against
-    11,000). :data:`_OTHER` for anything else (other node types, loose packed trees, structures
-    that differ), which the general path handles."""
-    nodes = isinstance(x, (list, tuple, dict, Packed)), isinstance(y, (list, tuple, dict, Packed))
-    if not any(nodes):  # two leaves (tensors, None, numbers)
-        return _select(cond, x, y, into)
-    if not all(nodes):
-        return _OTHER
+def _plain_pairs(x: Any, y: Any, pairs: list[tuple[Any, Any]]) -> bool:
+    """Whether ``x`` and ``y`` are trees of one structure made of the containers states are
+    made of (tuples, named tuples, lists, dicts with the same keys; packed trees held in
+    buffers of one layout as leaves), appending their pairs of leaves to ``pairs`` in order.
+    Walked in plain Python: under ``torch.compile`` each ``optree`` flatten is traced as Python
+    stand-ins (``apply_if_finite``'s state doubled what dynamo traced of a step, 25,000
+    bytecodes against 11,000). ``False`` for anything else (other node types, loose packed
+    trees, structures that differ), which :func:`select_tree`'s general path handles."""
+    if not _is_node(x) and not _is_node(y):  # two leaves (tensors, None, numbers)
+        pairs.append((x, y))
+        return True
+    if not (_is_node(x) and _is_node(y)):
+        return False
     if isinstance(x, Packed) or isinstance(y, Packed):
         if _same_kind(x, y) and tree._is_buffered(x) and tree._is_buffered(y):
-            return _select(cond, x, y, into)
-        return _OTHER
+            pairs.append((x, y))
+            return True
+        return False
     kind = type(x)
     if type(y) is not kind:
-        return _OTHER
+        return False
     if kind is dict:
-        if x.keys() != y.keys():
-            return _OTHER
-        picked = {k: _select_containers(cond, x[k], y[k], into) for k in x}
-        return _OTHER if any(v is _OTHER for v in picked.values()) else picked
-    fields = kind is tuple or kind is list or (issubclass(kind, tuple) and hasattr(kind, "_fields"))
-    if not fields or len(x) != len(y):
-        return _OTHER
-    items = [_select_containers(cond, a, b, into) for a, b in zip(x, y, strict=True)]
-    if any(v is _OTHER for v in items):
-        return _OTHER
-    return kind(*items) if kind is not tuple and kind is not list else kind(items)
+        return x.keys() == y.keys() and all(_plain_pairs(x[k], y[k], pairs) for k in x)
+    if not (kind is tuple or kind is list or _is_named_tuple(kind)) or len(x) != len(y):
+        return False
+    return all(_plain_pairs(a, b, pairs) for a, b in zip(x, y, strict=True))
+
+
+def _is_named_tuple(kind: type) -> bool:
+    return issubclass(kind, tuple) and hasattr(kind, "_fields")
+
+
+def _rebuilt(x: Any, leaves: Iterator[Any]) -> Any:
+    """A tree of ``x``'s structure (one :func:`_plain_pairs` accepted) with ``leaves``."""
+    if not _is_node(x) or isinstance(x, Packed):
+        return next(leaves)
+    if type(x) is dict:
+        return {k: _rebuilt(v, leaves) for k, v in x.items()}
+    items = [_rebuilt(v, leaves) for v in x]
+    return type(x)(*items) if _is_named_tuple(type(x)) else type(x)(items)
 
 
 def _same_kind(x: Any, y: Any) -> bool:
