@@ -53,6 +53,7 @@ from functional_opt.base import (
 )
 from functional_opt.compiled_step import Opaque
 from functional_opt.packed import Packed
+from functional_opt.packed_label_parts import PackedLabelParts
 from functional_opt.plain_label_parts import PlainLabelParts
 from functional_opt.plain_trees import PlainTreeStep
 
@@ -304,6 +305,16 @@ class Runner:
         return _donated_step(self.tx, extra)(updates, state, params, targets, whole, copy, totals)
 
 
+def _packed_parts(
+    tx: GradientTransformation, plain: PlainTreeStep | PlainLabelParts | None
+) -> PackedLabelParts | None:
+    """Beside a transform's plain parts, the route for its packed trees held in buffers whose
+    labels fill whole buffers (:mod:`functional_opt.packed_label_parts`)."""
+    if not isinstance(plain, PlainLabelParts):
+        return None
+    return PackedLabelParts(tx, plain, lambda: Runner(tx))
+
+
 def fused_step(
     tx: GradientTransformation,
 ) -> Callable[[Packed, Packed, OptState], tuple[Packed, OptState]]:
@@ -343,6 +354,7 @@ def fused_step(
         return None
 
     plain = plain_step()
+    by_buffers = _packed_parts(tx, plain)
     # Inside a user's torch.compile: the step over a plain tree as one op of the graph, with a
     # plain-tree step of its own (its staging buffers are reused every step, which would write
     # into the state an eager call of this step returned).
@@ -360,7 +372,9 @@ def fused_step(
             if new_state is not None:
                 return params, new_state
         if isinstance(plain, PlainLabelParts) and _packed_pair(params, grads):
-            done = plain.packed(params, grads, state, None)  # (its leaves, a plain tree)
+            done = None if by_buffers is None else by_buffers(params, grads, state, None)
+            if done is None:
+                done = plain.packed(params, grads, state, None)  # (its leaves, a plain tree)
             if done is not None:
                 return params, done[1]
         if (
@@ -406,6 +420,7 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
         plain = PlainTreeStep(tx, runner, updates_only=True)
     elif has_leaf_labels(tx):  # (partition: an update per set of labels)
         plain = PlainLabelParts(tx, lambda: Runner(tx), updates_only=True)
+    by_buffers = _packed_parts(tx, plain)
 
     def update_fn(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
@@ -419,7 +434,10 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
             and set(extra) <= {DONATE}
             and _packed_pair(params, updates)
         ):
-            done = plain.packed(params, updates, state, donate_mode(extra))
+            mode = donate_mode(extra)
+            done = None if by_buffers is None else by_buffers(params, updates, state, mode)
+            if done is None:
+                done = plain.packed(params, updates, state, mode)
             if done is not None:
                 return done
         return runner(updates, state, params, extra)

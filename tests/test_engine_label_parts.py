@@ -444,6 +444,87 @@ def test_packed_trees_step_each_label_as_a_part(
         _assert_same_pure_state(state, ref_state, 3)
 
 
+# no vector has a matrix's number of elements: each buffer of a packed tree (one per leaf
+# size) holds leaves of one label
+BY_BUFFER = [(40, 30), (31,), (6, 5), (7,), (6, 5), (7,), (3, 4), (300,), (20, 12)]
+BY_BUFFER += [(9,)] * 6 + [(2, 3)] * 6
+
+
+@pytest.mark.parametrize(
+    ("name", "shapes"),
+    [
+        ("partition", BY_BUFFER),
+        ("injected-aliases", BY_BUFFER),
+        ("masked-adam", BY_BUFFER),
+        ("injected-aliases", [(9,)] * 8),  # (no matrix: adam's counter by an update of no leaf)
+    ],
+    ids=["partition", "injected-aliases", "masked-adam", "vectors-only"],
+)
+def test_packed_trees_whose_labels_fill_whole_buffers_step_over_the_buffers(
+    name: str,
+    shapes: list[tuple[int, ...]],
+    plain_calls: list[bool],
+    plain_updates: list[bool],
+) -> None:
+    """Over packed trees whose buffers each hold leaves of one set of labels, ``fo.fused_step``
+    and ``fo.fused(tx).update`` (each donation mode) run each set of labels' update compiled
+    over its buffers (no plain-tree step, no leaf views); each label's state nodes are packed
+    into buffers of their own (``tx.init`` made them loose) and used in place from then on;
+    4 steps equal to the transform's own update over the plain list, the same counters."""
+    tx = PURE[name]()
+    step, fast = fo.fused_step(tx), fo.fused(tx)
+    plain = [p.detach() for p in _params(0, shapes)]
+    by_step = fo.pack([p.clone() for p in plain])
+    by_update = {mode: fo.pack([p.clone() for p in plain]) for mode in ("all", "state", "none")}
+    buffers = list(by_step.buffers)  # type: ignore[arg-type]
+    s_step = tx.init(by_step)
+    s_update = {mode: tx.init(p) for mode, p in by_update.items()}
+    ref, ref_state = plain, tx.init(plain)
+    donation: dict[str, bool | str] = {"all": True, "state": "state", "none": False}
+    for t in range(4):
+        grads = _grads(90 + t, shapes)
+        before = [p.clone() for p in ref]
+        by_step, s_step = step(by_step, fo.pack([g.clone() for g in grads]), s_step)
+        want, ref_state = tx.update(grads, ref_state, ref)
+        ref = fo.apply_updates(ref, want)
+        for mode, params in by_update.items():
+            given = fo.pack([g.clone() for g in grads])
+            held = [x.clone() for x in fo.state_to_dict(s_update[mode]).values()]
+            updates, new_state = fast.update(given, s_update[mode], params, donate=donation[mode])
+            assert (updates is given) == (mode == "all")
+            if mode != "all":  # (the gradients given are as they were)
+                assert all(torch.equal(g, h) for g, h in zip(given.tree, grads, strict=True))
+            if mode == "none" and t > 0:  # (so is the state: packed on the first update)
+                now = fo.state_to_dict(s_update[mode]).values()
+                assert all(torch.equal(x, h) for x, h in zip(now, held, strict=True))
+            s_update[mode] = new_state
+            by_update[mode] = fo.apply_updates(params, updates, donate=True)
+        for got in (by_step, *by_update.values()):
+            assert isinstance(got, fo.Packed)
+            assert_same_steps_then_sync(list(got.tree), ref, before, ELEMENTWISE_OPS * (t + 1) + 2)
+    assert all(map(operator.is_, by_step.buffers, buffers))  # type: ignore[arg-type]
+    assert plain_calls == [] and plain_updates == []  # (no plain-tree step: the buffers')
+    for state in (s_step, *s_update.values()):
+        nodes = [
+            x
+            for x in optree.tree_leaves(
+                state, is_leaf=lambda x: isinstance(x, fo.Packed), namespace=tree.NAMESPACE
+            )
+            if isinstance(x, fo.Packed)
+        ]
+        with_leaves = [
+            x
+            for x in nodes
+            if any(
+                v is not None
+                for v in optree.tree_leaves(x.tree, none_is_leaf=True, namespace=tree.NAMESPACE)
+            )
+        ]
+        assert with_leaves and all(x.buffers is not None for x in with_leaves)
+        assert _node_types(state) == _node_types(tx.init(fo.pack(plain)))
+        _assert_same_pure_state(state, ref_state, 4)
+
+
 @pytest.mark.parametrize("donate", [True, "state", False])
 def test_a_part_the_plain_tree_update_refuses_runs_its_own_update(
     donate: bool | str, plain_updates: list[bool]
