@@ -335,7 +335,10 @@ def fused_step(
     (or ``masked`` of a stateful transform), not fusable over a whole tree, is stepped over a
     plain or packed tree as one such step per set of labels
     (:mod:`functional_opt.plain_label_parts`; a packed tree's leaves are views of its buffers,
-    written through). Other trees run ``tx.update`` and ``apply_updates`` as they are.
+    written through), or, over packed trees whose buffers each hold leaves of one set of
+    labels, as one compiled step per set of labels over its buffers
+    (:mod:`functional_opt.packed_label_parts`). Other trees run ``tx.update`` and
+    ``apply_updates`` as they are.
 
     Called inside a function that ``torch.compile`` traces, the step over a plain tree (a
     ``list``, ``tuple`` or ``dict`` of tensors) is one op of the graph, which runs this same
@@ -410,7 +413,9 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     ``partition`` (or ``masked`` of a stateful transform), not fusable over a whole tree, takes
     it too, eagerly with params given, over plain and packed trees: one such update per set of
     labels (:mod:`functional_opt.plain_label_parts`; a packed tree's leaves are views of its
-    buffers). Anything else runs ``tx.update`` as it is. The first call compiles (seconds),
+    buffers, or, where its buffers each hold leaves of one set of labels, the buffers
+    themselves: :mod:`functional_opt.packed_label_parts`). Anything else runs ``tx.update`` as
+    it is. The first call compiles (seconds),
     and later calls with the same layout and keywords reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
