@@ -415,8 +415,8 @@ def fused(tx: GradientTransformation) -> GradientTransformation:
     labels (:mod:`functional_opt.plain_label_parts`; a packed tree's leaves are views of its
     buffers, or, where its buffers each hold leaves of one set of labels, the buffers
     themselves: :mod:`functional_opt.packed_label_parts`). Anything else runs ``tx.update`` as
-    it is. The first call compiles (seconds),
-    and later calls with the same layout and keywords reuse it."""
+    it is. The first call compiles (seconds), and later calls with the same layout and keywords
+    reuse it."""
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fused: tx must be a GradientTransformation, got {type(tx).__name__}")
     runner = Runner(tx)
