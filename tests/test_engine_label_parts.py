@@ -415,7 +415,8 @@ def test_packed_trees_step_each_label_as_a_part(
     ``fo.fused(tx).update`` step the packed leaves (views of the buffers) per set of labels,
     writing through the views (the params' and gradients' buffers stay the ones given), with
     each label's state packed at the params' structure as ``tx.init`` made it; 3 steps equal
-    to the transform's own update over the plain list."""
+    to the transform's own update over the plain list. (Here a buffer holds matrices and
+    vectors of one size, ``(6, 5)`` and ``(30,)``: not the route over whole buffers.)"""
     shapes = [*SHAPES, (300, 120)]
     tx = PURE[name]()
     step, fast = fo.fused_step(tx), fo.fused(tx)
