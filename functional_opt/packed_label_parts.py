@@ -16,11 +16,10 @@ state that is not per parameter (counters) is given to every part as it was, and
 leaves is taken from the part that changes it (the plain parts' plan, found once on meta
 stand-ins).
 
-Anything else (a buffer holding leaves of two sets of labels, a
-per-parameter node over other leaves than one part's, batch dimensions) is left to
-:meth:`PlainLabelParts.packed <functional_opt.plain_label_parts.PlainLabelParts.packed>`,
-which steps the tree as the plain tree of its leaves; that is decided before anything is
-written.
+Anything else (a buffer holding leaves of two sets of labels, a per-parameter node over other
+leaves than one part's, batch dimensions) is left to :meth:`PlainLabelParts.packed
+<functional_opt.plain_label_parts.PlainLabelParts.packed>`, which steps the tree as the plain
+tree of its leaves; that is decided before anything is written.
 """
 
 from __future__ import annotations
