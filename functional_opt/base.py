@@ -859,8 +859,6 @@ def _apply_packed(params: Packed, updates: Packed, donate: bool) -> Packed | Non
     p, u, layout = params.buffers, updates.buffers, params.layout
     if p is None or u is None or layout is None or layout != updates.layout:
         return None
-    if torch.compiler.is_compiling():
-        return None
     ps, us = list(p), list(u)
     if not set(_lists.column(us, "dtype")) <= _FLOATS:
         return None  # the leaf-by-leaf path names the leaf whose dtype is refused
