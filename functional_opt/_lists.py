@@ -46,6 +46,16 @@ def dtensor_type() -> type[Tensor] | None:
     return None if module is None else module.DTensor  # type: ignore[no-any-return]
 
 
+def distinct(xs: Sequence[Tensor]) -> bool:
+    """True when no tensor is in ``xs`` twice (by identity). Under ``torch.compile`` the set of
+    the tensors themselves: dynamo makes every ``id()`` it traces a guard on that object, so a
+    step given fresh gradients each call would compile again every call (a tensor hashes by
+    identity, and dynamo compares its graph's inputs, already guarded against aliasing)."""
+    if torch.compiler.is_compiling():
+        return len(set(xs)) == len(xs)
+    return len({id(x) for x in xs}) == len(xs)
+
+
 def use_foreach(xs: Sequence[Tensor], *scalars: Any) -> bool:
     """True when ``torch._foreach_*`` can run on ``xs`` (with the tensor ``scalars``, if any):
     all plain tensors (no functorch wrapping) or all ``DTensor``s. A scalar batched by

@@ -908,7 +908,7 @@ def _in_place_ok(
     given by a caller that has already found each update's shape equal to its param's."""
     if not (_lists.use_foreach(xs) and _lists.use_foreach(us)):
         return False
-    if len({id(x) for x in xs}) != len(xs):
+    if not _lists.distinct(xs):
         return False  # a param twice in the tree: each sum must see the old value
     if torch.is_grad_enabled() and _lists.tracked(xs, us):
         return False  # autograd may need the old values, and leaves refuse in-place ops

@@ -275,7 +275,7 @@ def _into_donated(updates: Updates, out: Updates) -> Updates:
     multi-MB buffers cost page faults on every step). Unchanged where a buffer cannot take it."""
     g, at = tree.split(updates)
     u = at.take(out, "updates")
-    if len({id(x) for x in g}) != len(g) or not _lists.use_foreach(g):
+    if not _lists.distinct(g) or not _lists.use_foreach(g):
         return out
     for x, y in zip(g, u, strict=True):
         if x.dtype != y.dtype or x.shape != y.shape or not _writable(x):

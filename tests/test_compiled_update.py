@@ -124,3 +124,39 @@ def test_once_is_the_identity() -> None:
         assert torch.equal(got, want) or (got.isnan() and want.isnan())
         if not want.isnan():
             assert torch.signbit(got) == torch.signbit(want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fo.dreamerv3(1e-2, warmup=0),
+        lambda: fo.fused(fo.dreamerv3(1e-2, warmup=0)),
+        lambda: fo.adam(1e-2),
+        lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)),
+    ],
+    ids=["dreamerv3", "fused(dreamerv3)", "adam", "clip+adamw"],
+)
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_compiled_step_given_fresh_gradients_each_call_compiles_once(
+    make: object, donate: bool
+) -> None:
+    """A training step compiled with ``tx.update`` and ``apply_updates`` gets new gradient
+    tensors every call. The donated paths' checks that no tensor is in a list twice took each
+    tensor's ``id()``, which dynamo turns into a guard on that object: every call compiled again
+    (a minute each on W1), until dynamo's recompile limit sent the step back to eager code."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    tx = make()  # type: ignore[operator]
+    counter = CompileCounter()
+
+    def step(g: list[torch.Tensor], s: object, p: list[torch.Tensor]) -> tuple[object, object]:
+        u, s = tx.update(g, s, p, donate=donate)
+        return fo.apply_updates(p, u, donate=donate), s
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    params = list(_tree(0).values())
+    state = tx.init(params)
+    for k in range(3):
+        params, state = compiled(list(_grads(k, torch.float32).values()), state, params)
+    assert counter.frame_count == 1
