@@ -189,6 +189,26 @@ def ours_compiled_step(params: list[torch.nn.Parameter]) -> Step:
     return step
 
 
+def ours_compiled_packed_step(params: list[torch.nn.Parameter]) -> Step:
+    """:func:`ours_compiled_step` over packed trees (``fo.pack``): the graph runs over the
+    buffers, a few ops whatever the number of leaves."""
+    tx = fo.dreamerv3(lr=1e-4, warmup=0)
+    holder = {"p": fo.pack([p.detach() for p in params])}
+    grads = fo.pack([p.grad for p in params])
+    holder["s"] = tx.init(holder["p"])
+
+    def whole(g: fo.Packed, s: Any, p: fo.Packed) -> tuple[fo.Packed, Any]:
+        u, s = tx.update(g, s, p, donate=True)
+        return fo.apply_updates(p, u, donate=True), s
+
+    compiled = torch.compile(whole, fullgraph=True)
+
+    def step() -> None:
+        holder["p"], holder["s"] = compiled(grads, holder["s"], holder["p"])
+
+    return step
+
+
 def ours_compiled_fused_step(params: list[torch.nn.Parameter]) -> Step:
     """A compiled step that calls ``fo.fused_step``: over a plain tree the step is one op of the
     graph, which runs the engine's step (see ``functional_opt.compiled_step``)."""
@@ -407,6 +427,7 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
     "ours: functional compiled, donated": lambda ps: ours_functional(ps, True, True),
     "ours: compiled step (update + apply), donated": ours_compiled_step,
+    "ours: compiled step (update + apply), donated, packed trees": ours_compiled_packed_step,
     "ours: compiled step calling fused_step (one op)": ours_compiled_fused_step,
     "ours: DreamerV3Optimizer, generic path": lambda ps: ours_adapter(ps, flat=False),
     "ours: DreamerV3Optimizer": ours_adapter,
@@ -594,6 +615,8 @@ def _bench_batch(
 
 COLD: list[tuple[str, int]] = [
     ("ours: compiled step (update + apply), donated", 0),
+    ("ours: compiled step (update + apply), donated, packed trees", 0),
+    ("ours: compiled step (update + apply), donated, packed trees", 1),
     ("ours: compiled step calling fused_step (one op)", 0),
     ("ours: DreamerV3Optimizer", 0),
     ("ours: functional eager, donated", 0),
