@@ -98,7 +98,34 @@ class Opaque:
         kind: int,
         keys: list[str],
     ) -> None:
-        """The op's body: the step on the real tensors, its results written into them."""
+        """The op's body: the step on the real tensors, its results written into them.
+
+        The engine's kernels run as in an eager step. The first call of a compiled graph runs
+        the op through its in-place kernel (which marks the tensors written, then dispatches
+        below itself: that key excluded), later calls reach the op directly; the engine's
+        compiled kernels guard on which keys are excluded, so the second call compiled them
+        again (about a second on W1). The key is made available as in eager code for the
+        step, so every call is the same to them (the in-place ops inside mark the tensors they
+        write, as eagerly)."""
+        key = torch._C.DispatchKey.ADInplaceOrView
+        excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+        if excluded:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        try:
+            self._run(ps, gs, ss, nones, kind, keys)
+        finally:
+            if excluded:
+                torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+    def _run(
+        self,
+        ps: list[Tensor],
+        gs: list[Tensor],
+        ss: list[Tensor],
+        nones: list[int],
+        kind: int,
+        keys: list[str],
+    ) -> None:
         params, grads = _rebuilt(kind, keys, ps), _rebuilt(kind, keys, gs)
         spec, init_nones, order, shapes = self._spec(params, kind, keys, ps)
         ids = [id(x) for x in ss]

@@ -241,3 +241,22 @@ def test_the_op_is_never_captured_in_a_cuda_graph() -> None:
     """The op's body is Python that decides each step what to run (routes, staging, copies):
     inductor's CUDA graphs (``mode="reduce-overhead"``) must leave it out of a capture."""
     assert torch.Tag.cudagraph_unsafe in OP.default.tags
+
+
+def test_the_engine_inside_the_op_compiles_once() -> None:
+    """Compiled by inductor, the graph's first call runs the op through its in-place kernel and
+    later calls reach it directly, with the dispatch keys that the engine's own compiled
+    kernels guard on set otherwise: the second call compiled the engine's kernels again. The
+    op now runs the engine as eager code does, every call."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    tx = fo.dreamerv3(lr=1e-3, warmup=0)
+    compiled = torch.compile(fo.fused_step(tx), fullgraph=True)
+    params = _dict(0)
+    state = tx.init(params)
+    params, state = compiled(params, _dict(1), state)
+    before = dict(counters["stats"])
+    for k in range(2, 4):
+        params, state = compiled(params, _dict(k), state)
+    assert dict(counters["stats"]).get("unique_graphs") == before.get("unique_graphs")
