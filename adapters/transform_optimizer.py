@@ -1283,8 +1283,12 @@ def _copy_state(dst: list[Tensor], src: list[Tensor]) -> None:
     """``d <- s`` for each pair (a source that is also a destination copied first), on local
     shards for ``DTensor``s."""
     if dst:
-        dst_ids = {id(t) for t in dst}
-        src = [s.clone() if id(s) in dst_ids else s for s in src]
+        if torch.compiler.is_compiling():  # (dynamo makes each id() a guard on its tensor)
+            dsts = set(dst)
+            src = [s.clone() if s in dsts else s for s in src]
+        else:
+            dst_ids = {id(t) for t in dst}
+            src = [s.clone() if id(s) in dst_ids else s for s in src]
         torch._foreach_copy_(*_local_pairs(dst, src))
 
 

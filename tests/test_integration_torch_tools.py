@@ -255,6 +255,30 @@ def test_state_dict_hooks_and_a_load_pre_hook_that_adapts_the_checkpoint(kind: s
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_compiled_optimizer_step_compiles_nothing_more_once_running(kind: str) -> None:
+    """``torch.compile`` of a function calling ``optimizer.step()`` (graph breaks allowed),
+    given new gradient tensors every step (``zero_grad()`` sets them to ``None``): once the
+    first steps have compiled their frames, later steps compile nothing. The state copy's
+    check for a tensor that is both source and destination took each tensor's ``id()``, a
+    guard on that object in dynamo's code: every step compiled that frame again."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = make_model()
+    opt = OPTIMIZERS[kind](model.parameters())
+    counter = CompileCounter()
+    step = torch.compile(opt.step, backend=counter)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    counts = []
+    for _ in range(6):
+        opt.zero_grad()
+        model(x).sum().backward()
+        step()
+        counts.append(counter.frame_count)
+    assert counts[2] == counts[-1], counts
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_compiled_training_step_with_an_lr_scheduler(kind: str) -> None:
     """``torch.compile`` of forward, backward, ``optimizer.step()`` (graph breaks allowed), with
     the lr changed by a scheduler between steps, follows the same steps run eagerly."""
