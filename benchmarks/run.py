@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
 import functional_opt as fo
 
@@ -169,35 +168,19 @@ def ours_packed(params: list[torch.nn.Parameter]) -> Step:
     return step
 
 
-def ours_compiled_step(params: list[torch.nn.Parameter]) -> Step:
+def ours_compiled_step(params: list[torch.nn.Parameter], packed: bool = False) -> Step:
     """Update and ``apply_updates`` compiled together, both donated (what compiling a whole
-    training step gives: inductor adds the update to the params in the update's own pass)."""
+    training step gives: inductor adds the update to the params in the update's own pass);
+    with ``packed``, over packed trees (``fo.pack``: the graph runs over the buffers, a few ops
+    whatever the number of leaves)."""
     tx = fo.dreamerv3(lr=1e-4, warmup=0)
-    holder = {"p": [p.detach().clone() for p in params]}
-    grads = [p.grad for p in params if p.grad is not None]
+    ps = [p.detach().clone() for p in params]
+    gs = [p.grad for p in params if p.grad is not None]
+    holder: dict[str, Any] = {"p": fo.pack(ps) if packed else ps}
+    grads = fo.pack(gs) if packed else gs
     holder["s"] = tx.init(holder["p"])
 
-    def whole(g: list[Tensor], s: Any, p: list[Tensor]) -> tuple[list[Tensor], Any]:
-        u, s = tx.update(g, s, p, donate=True)
-        return fo.apply_updates(p, u, donate=True), s
-
-    compiled = torch.compile(whole, fullgraph=True)
-
-    def step() -> None:
-        holder["p"], holder["s"] = compiled(grads, holder["s"], holder["p"])
-
-    return step
-
-
-def ours_compiled_packed_step(params: list[torch.nn.Parameter]) -> Step:
-    """:func:`ours_compiled_step` over packed trees (``fo.pack``): the graph runs over the
-    buffers, a few ops whatever the number of leaves."""
-    tx = fo.dreamerv3(lr=1e-4, warmup=0)
-    holder = {"p": fo.pack([p.detach() for p in params])}
-    grads = fo.pack([p.grad for p in params])
-    holder["s"] = tx.init(holder["p"])
-
-    def whole(g: fo.Packed, s: Any, p: fo.Packed) -> tuple[fo.Packed, Any]:
+    def whole(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
         u, s = tx.update(g, s, p, donate=True)
         return fo.apply_updates(p, u, donate=True), s
 
@@ -427,7 +410,9 @@ METHODS: dict[str, Callable[[list[torch.nn.Parameter]], Step | None]] = {
     "ours: functional compiled": lambda ps: ours_functional(ps, compiled=True),
     "ours: functional compiled, donated": lambda ps: ours_functional(ps, True, True),
     "ours: compiled step (update + apply), donated": ours_compiled_step,
-    "ours: compiled step (update + apply), donated, packed trees": ours_compiled_packed_step,
+    "ours: compiled step (update + apply), donated, packed trees": lambda ps: ours_compiled_step(
+        ps, packed=True
+    ),
     "ours: compiled step calling fused_step (one op)": ours_compiled_fused_step,
     "ours: DreamerV3Optimizer, generic path": lambda ps: ours_adapter(ps, flat=False),
     "ours: DreamerV3Optimizer": ours_adapter,

@@ -24,9 +24,10 @@ the state's leaves are tensors or ``None``, autograd records none of the tensors
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -98,34 +99,7 @@ class Opaque:
         kind: int,
         keys: list[str],
     ) -> None:
-        """The op's body: the step on the real tensors, its results written into them.
-
-        The engine's kernels run as in an eager step. The first call of a compiled graph runs
-        the op through its in-place kernel (which marks the tensors written, then dispatches
-        below itself: that key excluded), later calls reach the op directly; the engine's
-        compiled kernels guard on which keys are excluded, so the second call compiled them
-        again (about a second on W1). The key is made available as in eager code for the
-        step, so every call is the same to them (the in-place ops inside mark the tensors they
-        write, as eagerly)."""
-        key = torch._C.DispatchKey.ADInplaceOrView
-        excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
-        if excluded:
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-        try:
-            self._run(ps, gs, ss, nones, kind, keys)
-        finally:
-            if excluded:
-                torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
-
-    def _run(
-        self,
-        ps: list[Tensor],
-        gs: list[Tensor],
-        ss: list[Tensor],
-        nones: list[int],
-        kind: int,
-        keys: list[str],
-    ) -> None:
+        """The op's body: the step on the real tensors, its results written into them."""
         params, grads = _rebuilt(kind, keys, ps), _rebuilt(kind, keys, gs)
         spec, init_nones, order, shapes = self._spec(params, kind, keys, ps)
         ids = [id(x) for x in ss]
@@ -275,7 +249,27 @@ def _fused_step_op(
             "fused_step under torch.compile: the fused_step this graph was compiled with no "
             "longer exists (keep it alive as long as the compiled function)"
         )
-    opaque.run(params, grads, state, nones, kind, keys)
+    with _as_in_eager_code():
+        opaque.run(params, grads, state, nones, kind, keys)
+
+
+@contextlib.contextmanager
+def _as_in_eager_code() -> Iterator[None]:
+    """The op's body runs with the dispatch keys of eager code. The first call of an inductor
+    graph runs the op through its in-place kernel (which marks the tensors written, then
+    dispatches below itself: that key excluded); later calls reach the op directly. The
+    engine's own compiled kernels guard on the excluded keys, so the second call compiled them
+    again (about half a second on W1). With the key available as in eager code every call is
+    the same to them (the in-place ops inside mark the tensors they write, as eagerly)."""
+    key = torch._C.DispatchKey.ADInplaceOrView
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    if excluded:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        if excluded:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
 
 
 @_fused_step_op.register_fake
