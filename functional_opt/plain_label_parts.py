@@ -25,7 +25,7 @@ import optree
 import torch
 from torch import Tensor
 
-from functional_opt import tree
+from functional_opt import _kernels, tree
 from functional_opt.base import (
     DONATE,
     STATE_ONLY,
@@ -151,7 +151,11 @@ class PlainLabelParts:
         into_held: bool,
     ) -> tuple[Any, OptState] | None:
         """The step (``donate is None``: params stepped in place, no updates returned) or the
-        update with that donation, part by part; ``(updates or None, new state)``."""
+        update with that donation, part by part; ``(updates or None, new state)``. ``None``
+        where compiled code cannot run (inside ``torch.compile``'s tracing: the transform's own
+        update is traced instead)."""
+        if not _kernels.compiles_here():
+            return None
         ps, spec = optree.tree_flatten(params, none_is_leaf=True, namespace=tree.NAMESPACE)
         gs, grad_spec = optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
         if (

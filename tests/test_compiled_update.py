@@ -126,6 +126,10 @@ def test_once_is_the_identity() -> None:
             assert torch.signbit(got) == torch.signbit(want)
 
 
+def _by_rank(params: list[torch.Tensor]) -> list[str]:
+    return ["m" if p.ndim == 2 else "v" for p in params]
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -133,17 +137,39 @@ def test_once_is_the_identity() -> None:
         lambda: fo.fused(fo.dreamerv3(1e-2, warmup=0)),
         lambda: fo.adam(1e-2),
         lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)),
+        lambda: fo.partition({"m": fo.adam(1e-2), "v": fo.sgd(1e-2, momentum=0.9)}, _by_rank),
+        lambda: fo.fused(
+            fo.partition({"m": fo.adam(1e-2), "v": fo.sgd(1e-2, momentum=0.9)}, _by_rank)
+        ),
+        lambda: fo.masked(fo.adam(1e-2), lambda p: [x.ndim == 2 for x in p]),
+        lambda: fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)), 3),
+        lambda: fo.MultiSteps(fo.adamw(1e-2), 2),
+        lambda: fo.inject_hyperparams(fo.adamw)(learning_rate=1e-2),
     ],
-    ids=["dreamerv3", "fused(dreamerv3)", "adam", "clip+adamw"],
+    ids=[
+        "dreamerv3",
+        "fused(dreamerv3)",
+        "adam",
+        "clip+adamw",
+        "partition",
+        "fused(partition)",
+        "masked(adam)",
+        "apply_if_finite",
+        "MultiSteps",
+        "inject_hyperparams",
+    ],
 )
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_compiled_step_given_fresh_gradients_each_call_compiles_once(
     make: object, donate: bool
 ) -> None:
     """A training step compiled with ``tx.update`` and ``apply_updates`` gets new gradient
-    tensors every call. The donated paths' checks that no tensor is in a list twice took each
-    tensor's ``id()``, which dynamo turns into a guard on that object: every call compiled again
-    (a minute each on W1), until dynamo's recompile limit sent the step back to eager code."""
+    tensors every call, and compiles once. The donated paths' checks that no tensor is in a
+    list twice took each tensor's ``id()``, which dynamo turns into a guard on that object:
+    every call compiled again (a minute each on W1), until dynamo's recompile limit sent the
+    step back to eager code. ``masked`` (and ``partition``, made of it) filled a memo of its
+    inner transform's kinds while traced: its second call compiled again. ``fused(partition)``
+    did not compile at all (its per-label route ran under dynamo)."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -155,8 +181,13 @@ def test_a_compiled_step_given_fresh_gradients_each_call_compiles_once(
         return fo.apply_updates(p, u, donate=donate), s
 
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    params = list(_tree(0).values())
+
+    def leaves(seed: int, scale: float) -> list[torch.Tensor]:  # (a matrix: two labels)
+        gen = torch.Generator().manual_seed(seed)
+        return [*_tree(seed, scale=scale).values(), torch.randn(6, 5, generator=gen) * scale]
+
+    params = leaves(0, 0.3)
     state = tx.init(params)
-    for k in range(3):
-        params, state = compiled(list(_grads(k, torch.float32).values()), state, params)
+    for k in range(4):
+        params, state = compiled(leaves(10 + k, 0.01), state, params)
     assert counter.frame_count == 1

@@ -325,12 +325,20 @@ def _masked(
 
     known: dict[str, bool] = {}
 
+    def remembered(name: str, find: Callable[[], bool]) -> bool:
+        """``find()``, kept in ``known`` once found; while compiling, found afresh (a graph
+        that filled the memo would be guarded on it, and traced again on its next call)."""
+        value = known.get(name)
+        if value is None:
+            value = find()
+            if not torch.compiler.is_compiling():
+                known[name] = value
+        return value
+
     def stateless() -> bool:
         """Whether ``inner`` keeps no tensors (``add_decayed_weights``, ``scale``, clipping),
         once known."""
-        if "stateless" not in known:
-            known["stateless"] = _stateless(inner)
-        return known["stateless"]
+        return remembered("stateless", lambda: _stateless(inner))
 
     def shared_flag() -> bool | None:
         """The flag the engine gave every leaf it steps now, when they share one: a leaf
@@ -349,18 +357,17 @@ def _masked(
         that the engine steps with one flag for all its leaves (a stateful inner keeps its
         state over the masked leaves only: ``TransformOptimizer`` steps each label's params as
         a part of their own, see ``functional_opt.adapters.label_parts``)."""
-        if "fusable" not in known:
-            known["fusable"] = fusable(inner)
-        return known["fusable"] and (stateless() or shared_flag() is not None)
+        return remembered("fusable", lambda: fusable(inner)) and (
+            stateless() or shared_flag() is not None
+        )
 
     def labelling() -> bool:
         """Whether the leaves' flags can be given to the engine as labels: an inner that treats
         every leaf on its own without reductions and has no labels of its own."""
-        if "labelling" not in known:
-            known["labelling"] = (
-                fusable(inner) and leafwise_level(inner) == 2 and not has_leaf_labels(inner)
-            )
-        return known["labelling"]
+        return remembered(
+            "labelling",
+            lambda: fusable(inner) and leafwise_level(inner) == 2 and not has_leaf_labels(inner),
+        )
 
     def labelled() -> bool:
         """Whether a leaf may be stepped alone given its flag: a labelling inner (above) that
