@@ -32,7 +32,7 @@ import optree
 import torch
 from torch import Tensor
 
-from functional_opt import tree
+from functional_opt import _kernels, tree
 from functional_opt.base import DONATE, GradientTransformation, OptState, Stages, pinned
 from functional_opt.packed import Layout, Packed, pack
 from functional_opt.plain_label_parts import PlainLabelParts, _is_packed, _list_spec, _split
@@ -92,7 +92,10 @@ class PackedLabelParts:
         """``(updates or None, new state)``: the step (``donate is None``: the params' buffers
         take ``p + u``, the gradients' and the state's are donated) or ``tx.update(grads,
         state, params, donate=donate)`` (the updates written into the gradients' buffers where
-        they are donated)."""
+        they are donated). ``None`` where compiled code cannot run (see
+        :func:`functional_opt._kernels.compiles_here`)."""
+        if not _kernels.compiles_here():
+            return None
         layout = params.layout
         p_buffers, g_buffers = params.buffers, grads.buffers
         if (
@@ -250,7 +253,7 @@ class PackedLabelParts:
             part = _whole_buffers(layout, params, ps, mine)
             if part is None:
                 return None
-            parts.append(_Part(labels, *part))
+            parts.append(_Part(_one_value_each(labels), *part))
             of_leaf[frozenset(mine)] = len(parts) - 1
         nodes: dict[int, int] = {}
         empty: set[int] = set()
@@ -266,6 +269,20 @@ class PackedLabelParts:
             else:
                 nodes[j] = owner
         return _Plan(parts, owners, nodes, frozenset(empty))
+
+
+def _one_value_each(labels: Stages) -> Stages:
+    """A part's labels with each key's values (one per leaf of the part, all equal: the part is
+    the leaves of one set of labels) as that one value, which a mask gives every leaf of the
+    packed tree it steps: the part's tree has the other parts' leaves as ``None`` leaves, so a
+    tuple of the part's leaves' values would not match its leaves (a stateless ``masked``
+    inner, which reads them per leaf, raised)."""
+    out = []
+    for key, values in labels:
+        if isinstance(values, tuple) and values and all(v == values[0] for v in values):
+            values = values[0]
+        out.append((key, values))
+    return tuple(out)
 
 
 def _whole_buffers(

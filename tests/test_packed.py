@@ -780,3 +780,36 @@ def test_a_compiled_update_and_apply_over_packed_trees_is_one_graph_of_buffer_op
         assert_bitwise(_tensors(params), _tensors(eager_p))
         assert_bitwise(_tensors(state), _tensors(eager_s))
     assert ops[0] == ops[1]
+
+
+def test_a_compiled_fused_step_of_a_partition_over_packed_trees() -> None:
+    """``fused_step(partition(...))`` inside ``torch.compile`` over packed trees: the per-label
+    routes, which run compiled code of their own, step aside while dynamo traces, and the
+    partition is traced over the trees (before, its update by label parts ran under dynamo and
+    failed). Given new gradients every step, nothing compiles after the second step (the
+    second compiles once more: the state the first returns holds its per-label trees in
+    layouts made in the graph, not the one ``init`` shared with the params, and dynamo guards
+    on that sharing); the results equal the eager steps' bit for bit (halving factors: one
+    rounding per sum). The eager step ran the stateless label's mask with one flag per leaf of
+    its part over a tree that also holds the other labels' leaves, and raised."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    labels = lambda p: ["m" if x.ndim == 2 else "v" for x in p]  # noqa: E731
+    tx = fo.partition({"m": fo.sgd(0.5), "v": fo.sgd(0.5, momentum=0.5)}, labels)
+    step = fo.fused_step(tx)
+    gen = torch.Generator().manual_seed(21)
+    make = lambda: [_leaf(gen, torch.float32, 4, 3), _leaf(gen, torch.float32, 5)]  # noqa: E731
+    params = fo.pack(make())
+    eager_p = fo.pack([x.clone() for x in _tensors(params)])
+    state, eager_s = tx.init(params), tx.init(eager_p)
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    counts = []
+    for _ in range(4):
+        grads = make()
+        params, state = compiled(params, fo.pack([g.clone() for g in grads]), state)
+        eager_p, eager_s = step(eager_p, fo.pack(grads), eager_s)
+        counts.append(counter.frame_count)
+    assert counts[1] == counts[-1] <= 2, counts
+    assert_bitwise(_tensors(params), _tensors(eager_p))
